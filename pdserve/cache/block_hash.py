@@ -1,0 +1,25 @@
+"""Stable chained hashes of full pages of token ids: the keys the prefix cache reports and the router matches."""
+
+import hashlib
+
+import numpy as np
+
+ROOT_HASH = 0
+
+
+def page_hash(parent_hash: int, page_token_ids: list[int]) -> int:
+    """Hash of one full page given the hash of everything before it (stable across processes and runs)."""
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(parent_hash.to_bytes(8, "little", signed=False))
+    digest.update(np.asarray(page_token_ids, dtype=np.int64).tobytes())
+    return int.from_bytes(digest.digest(), "little", signed=False) & ((1 << 63) - 1)
+
+
+def prefix_page_hashes(token_ids: list[int], page_size: int) -> list[int]:
+    """The chained hash of every full page of `token_ids`, in order."""
+    hashes: list[int] = []
+    parent = ROOT_HASH
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        parent = page_hash(parent, token_ids[start : start + page_size])
+        hashes.append(parent)
+    return hashes

@@ -1,0 +1,143 @@
+"""The worker's internal API (version 1): typed messages encoded as JSON with msgspec, never pickled.
+
+Endpoints (all on the worker's HTTP port; see docs/architecture.md):
+  GET  /health                            -> WorkerHealth
+  GET  /internal/v1/info                  -> WorkerInfo
+  GET  /internal/v1/load                  -> LoadReport
+  POST /internal/v1/generate              GenerateRequest -> NDJSON stream of TokenEvent
+  POST /internal/v1/abort                 AbortRequest -> {}
+  GET  /internal/v1/kv_events?rank=R&after=SEQ -> NDJSON stream of KVEventBatch (long-lived)
+  GET  /internal/v1/transfer/metadata?rank=R  -> TransferMetadata (NIXL agent metadata of a rank)
+  GET  /metrics                           -> Prometheus text
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pdserve.engine.sampling_params import SamplingParams
+
+API_VERSION = 1
+
+Role = Literal["prefill", "decode", "both"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclass
+class PrefillSource:
+    """Where a decode-after-transfer request gets its KV: a prefill worker and one of its ranks."""
+
+    url: str
+    rank: int
+
+
+@dataclass
+class KVDestination:
+    """Where a prefill-only request writes its KV: pages reserved on a decode rank."""
+
+    url: str  # the decode worker, for fetching its NIXL agent metadata once
+    rank: int
+    agent_name: str
+    page_ids: list[int]  # one per page of the prompt, in order
+    skip_pages: int = 0  # leading pages the decode rank already holds (prefix reuse): not written
+
+
+@dataclass
+class Plan:
+    """both: prefill and decode here. decode: reserve pages, have `prefill` fill them, then decode.
+    prefill: compute the prompt, write its KV to `destination`, return the first token and finish."""
+
+    kind: Literal["both", "prefill", "decode"] = "both"
+    prefill: PrefillSource | None = None
+    destination: KVDestination | None = None
+
+
+@dataclass
+class GenerateRequest:
+    request_id: str
+    rank: int
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    plan: Plan = field(default_factory=Plan)
+    api_version: int = API_VERSION
+
+
+@dataclass
+class TokenEvent:
+    """One line of a generate stream. The last line has finish_reason set."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str = ""  # detokenized delta, stop strings already cut
+    logprobs: list[float] | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+
+
+@dataclass
+class RankLoad:
+    rank: int
+    running: int
+    waiting: int
+    free_pages: int
+    total_pages: int
+    prefix_cache_pages: int
+
+
+@dataclass
+class LoadReport:
+    ranks: list[RankLoad]
+
+
+@dataclass
+class RankInfo:
+    rank: int
+    page_size: int
+    num_pages: int
+    agent_name: str
+
+
+@dataclass
+class WorkerInfo:
+    api_version: int
+    role: Role
+    model: str
+    max_model_len: int
+    ranks: list[RankInfo]
+
+
+@dataclass
+class WorkerHealth:
+    status: Literal["ok", "draining", "unhealthy"]
+    role: Role
+    num_ranks: int
+
+
+@dataclass
+class KVEvent:
+    """A change of one rank's prefix cache. `block_hashes` are chained hashes of full pages of token ids
+    (pdserve.cache.block_hash); `stored` events carry the hash of the page before the first one."""
+
+    kind: Literal["stored", "removed", "cleared"]
+    block_hashes: list[int] = field(default_factory=list)
+    parent_hash: int | None = None
+
+
+@dataclass
+class KVEventBatch:
+    rank: int
+    seq: int  # increases by one per batch; a gap means events were lost: resync from a full dump
+    events: list[KVEvent]
+
+
+@dataclass
+class TransferMetadata:
+    rank: int
+    agent_name: str
+    agent_metadata_b64: str

@@ -1,0 +1,12 @@
+# Sourced by the README's commands: make .venv (CPU torch 2.13.0 pinned) and activate it.
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+# shellcheck disable=SC1091
+source .venv/bin/activate
+if ! python -c "import pdserve, torch, transformers, nixl, ray" >/dev/null 2>&1; then
+  echo "installing pdserve and its dependencies into .venv (first run only) ..." >&2
+  python -m pip install -q --upgrade pip >/dev/null
+  python -m pip install -q torch==2.13.0
+  python -m pip install -q -e ".[test]"
+fi
