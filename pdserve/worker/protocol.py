@@ -14,6 +14,7 @@ Endpoints (all on the worker's HTTP port; see docs/architecture.md):
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pdserve.cache.events import KVEvent
 from pdserve.engine.sampling_params import SamplingParams
 
 API_VERSION = 1
@@ -117,16 +118,6 @@ class WorkerHealth:
     status: Literal["ok", "draining", "unhealthy"]
     role: Role
     num_ranks: int
-
-
-@dataclass
-class KVEvent:
-    """A change of one rank's prefix cache. `block_hashes` are chained hashes of full pages of token ids
-    (pdserve.cache.block_hash); `stored` events carry the hash of the page before the first one."""
-
-    kind: Literal["stored", "removed", "cleared"]
-    block_hashes: list[int] = field(default_factory=list)
-    parent_hash: int | None = None
 
 
 @dataclass
