@@ -1,0 +1,73 @@
+"""Reference-counted page ids of one rank's KV pool: which pages are free and who still holds the rest."""
+
+from collections import Counter
+from collections.abc import Iterable
+
+
+class PageAllocator:
+    """Hands out page ids; a page is free exactly when its reference count is 0.
+
+    Every operation is O(1) per page (plus validating the whole request first, so a bad call changes nothing).
+    """
+
+    def __init__(self, num_pages: int):
+        if num_pages < 0:
+            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+        self.num_pages = num_pages
+        self._refcounts = [0] * num_pages
+        # Reversed so that a fresh pool hands out 0, 1, 2, ... (easier to read in logs and tests).
+        self._free_page_ids = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free_page_ids)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free_page_ids)
+
+    def alloc(self, n: int) -> list[int] | None:
+        """`n` free pages with reference count 1 each, or None (taking nothing) if fewer than `n` are free."""
+        if n < 0:
+            raise ValueError(f"alloc expects n >= 0, got {n}")
+        if n > len(self._free_page_ids):
+            return None
+        page_ids = [self._free_page_ids.pop() for _ in range(n)]
+        for page_id in page_ids:
+            self._refcounts[page_id] = 1
+        return page_ids
+
+    def incref(self, page_ids: Iterable[int]) -> None:
+        """Add one reference to each listed page (repeats count twice); every page must be allocated."""
+        page_ids = list(page_ids)
+        for page_id in page_ids:
+            self._check_in_use(page_id, "incref")
+        for page_id in page_ids:
+            self._refcounts[page_id] += 1
+
+    def decref(self, page_ids: Iterable[int]) -> None:
+        """Drop one reference from each listed page; a page whose count reaches 0 goes back to the free list."""
+        page_ids = list(page_ids)
+        for page_id, drops in Counter(page_ids).items():
+            self._check_in_use(page_id, "decref")
+            if drops > self._refcounts[page_id]:
+                raise ValueError(
+                    f"decref of page {page_id} {drops} times, but its reference count is {self._refcounts[page_id]}"
+                )
+        for page_id in page_ids:
+            self._refcounts[page_id] -= 1
+            if self._refcounts[page_id] == 0:
+                self._free_page_ids.append(page_id)
+
+    def refcount(self, page_id: int) -> int:
+        self._check_id(page_id)
+        return self._refcounts[page_id]
+
+    def _check_id(self, page_id: int) -> None:
+        if not isinstance(page_id, int) or not 0 <= page_id < self.num_pages:
+            raise ValueError(f"page id must be an int in [0, {self.num_pages}), got {page_id!r}")
+
+    def _check_in_use(self, page_id: int, operation: str) -> None:
+        self._check_id(page_id)
+        if self._refcounts[page_id] == 0:
+            raise ValueError(f"{operation} of page {page_id} expects an allocated page, but it is free")

@@ -1,0 +1,73 @@
+import pytest
+
+from pdserve.cache.page_allocator import PageAllocator
+
+
+def test_alloc_hands_out_distinct_pages_with_refcount_one():
+    allocator = PageAllocator(8)
+    page_ids = allocator.alloc(5)
+    assert page_ids is not None and len(set(page_ids)) == 5
+    assert all(allocator.refcount(page_id) == 1 for page_id in page_ids)
+    assert (allocator.num_free, allocator.num_used) == (3, 5)
+
+
+def test_alloc_beyond_free_returns_none_and_takes_nothing():
+    allocator = PageAllocator(4)
+    assert allocator.alloc(3) is not None
+    assert allocator.alloc(2) is None
+    assert allocator.num_free == 1
+    assert allocator.alloc(1) is not None
+    assert allocator.alloc(0) == []
+
+
+def test_page_returns_to_free_list_only_when_last_reference_drops():
+    allocator = PageAllocator(2)
+    [page_id] = allocator.alloc(1)
+    allocator.incref([page_id])
+    allocator.decref([page_id])
+    assert allocator.refcount(page_id) == 1 and allocator.num_free == 1
+    allocator.decref([page_id])
+    assert allocator.refcount(page_id) == 0 and allocator.num_free == 2
+    assert sorted(allocator.alloc(2)) == [0, 1]
+
+
+def test_repeated_ids_in_one_call_count_each_time():
+    allocator = PageAllocator(2)
+    [page_id] = allocator.alloc(1)
+    allocator.incref([page_id, page_id])
+    assert allocator.refcount(page_id) == 3
+    allocator.decref([page_id, page_id, page_id])
+    assert allocator.num_free == 2
+
+
+def test_decref_of_free_page_raises_and_changes_nothing():
+    allocator = PageAllocator(3)
+    [held] = allocator.alloc(1)
+    free_page = next(page_id for page_id in range(3) if page_id != held)
+    with pytest.raises(ValueError, match="free"):
+        allocator.decref([held, free_page])
+    assert allocator.refcount(held) == 1
+    with pytest.raises(ValueError, match="reference count is 1"):
+        allocator.decref([held, held])
+    assert allocator.refcount(held) == 1
+
+
+def test_incref_of_free_page_raises():
+    allocator = PageAllocator(2)
+    with pytest.raises(ValueError, match="free"):
+        allocator.incref([0])
+
+
+@pytest.mark.parametrize("bad_id", [-1, 4, 1.0, "0"])
+def test_bad_page_ids_raise_with_the_valid_range(bad_id):
+    allocator = PageAllocator(4)
+    allocator.alloc(4)
+    with pytest.raises(ValueError, match=r"\[0, 4\)"):
+        allocator.refcount(bad_id)
+    with pytest.raises(ValueError, match=r"\[0, 4\)"):
+        allocator.decref([bad_id])
+
+
+def test_negative_alloc_raises():
+    with pytest.raises(ValueError, match=">= 0"):
+        PageAllocator(4).alloc(-1)
