@@ -70,9 +70,9 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
             sorted_probs = torch.softmax(sorted_logits, dim=-1)
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
             # Keep a token while the mass of the tokens ranked above it is still short of top_p: the smallest set
-            # reaching top_p, never empty. Rows at top_p == 1 are exempt so rounding in cumsum cannot trim them.
+            # reaching top_p, never empty (the top token has mass 0 above it and top_p > 0). Rows at top_p == 1 are
+            # exempt so rounding in cumsum cannot trim them.
             drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
-            drop[:, 0] = False
             sorted_logits.masked_fill_(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
