@@ -1,0 +1,106 @@
+"""Pick the next token of every sequence in a batch from its last-position logits, each row by its own settings.
+
+Filtering (temperature, top-k, top-p, min-p) is vectorized over the batch; the random draw of each row uses only
+that row's generator, so a seeded request gets the same tokens whatever else shares its batch.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float] | None  # model log-probability of each chosen token; None when no row asked
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator],
+    banned_token_ids: Sequence[Sequence[int]],
+) -> SampleResult:
+    """Next token per row of `logits` [B, V]; `generators` live on `logits.device`, one per row (may be shared)."""
+    batch_size = logits.shape[0]
+    if logits.dim() != 2 or not (len(params) == len(generators) == len(banned_token_ids) == batch_size):
+        raise ValueError(
+            f"expected logits [B, V] and B params/generators/banned lists, got logits {tuple(logits.shape)}, "
+            f"{len(params)} params, {len(generators)} generators, {len(banned_token_ids)} banned lists"
+        )
+    # Copy: the caller's logits stay untouched whatever their dtype.
+    logits = logits.to(torch.float32, copy=True)
+    _ban(logits, banned_token_ids)
+
+    # argmax returns the first maximal index, so greedy ties go to the lowest token id.
+    token_ids = logits.argmax(dim=-1)
+    random_rows = [row for row, row_params in enumerate(params) if not row_params.greedy]
+    if random_rows:
+        rows = torch.tensor(random_rows, device=logits.device)
+        probs = filtered_probs(logits[rows], [params[row] for row in random_rows])
+        token_ids[rows] = _draw(probs, [generators[row] for row in random_rows])
+
+    logprobs = None
+    if any(row_params.logprobs for row_params in params):
+        logprobs = torch.log_softmax(logits, dim=-1).gather(1, token_ids[:, None]).squeeze(1).tolist()
+    return SampleResult(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+
+def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Probabilities [B, V] after temperature, top-k, top-p and min-p, each row by its own params (all non-greedy)."""
+    vocab_size = logits.shape[1]
+    device = logits.device
+    temperatures = torch.tensor([p.temperature for p in params], device=device)
+    logits = logits / temperatures[:, None]
+
+    uses_top_k = any(p.top_k != -1 for p in params)
+    uses_top_p = any(p.top_p < 1.0 for p in params)
+    if uses_top_k or uses_top_p:
+        # Stable descending sort keeps the lower id first among equal logits, so cut-offs on ties are deterministic.
+        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+        if uses_top_k:
+            top_k = torch.tensor([p.top_k if p.top_k != -1 else vocab_size for p in params], device=device)
+            rank = torch.arange(vocab_size, device=device)
+            sorted_logits.masked_fill_(rank[None, :] >= top_k[:, None], float("-inf"))
+        if uses_top_p:
+            top_p = torch.tensor([p.top_p for p in params], device=device)
+            sorted_probs = torch.softmax(sorted_logits, dim=-1)
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            # Keep a token while the mass of the tokens ranked above it is still short of top_p: the smallest set
+            # reaching top_p, never empty (the top token has mass 0 above it and top_p > 0). Rows at top_p == 1 are
+            # exempt so rounding in cumsum cannot trim them.
+            drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+            sorted_logits.masked_fill_(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+    probs = torch.softmax(logits, dim=-1)
+    if any(p.min_p > 0.0 for p in params):
+        # Relative to the row's top probability, which top-k/top-p always keep, so the order of filters is moot here.
+        min_p = torch.tensor([p.min_p for p in params], device=device)
+        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
+
+
+def _ban(logits: torch.Tensor, banned_token_ids: Sequence[Sequence[int]]) -> None:
+    rows = [row for row, banned in enumerate(banned_token_ids) for _ in banned]
+    if rows:
+        cols = [token_id for banned in banned_token_ids for token_id in banned]
+        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+
+
+def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One token per row, drawn from `probs` [B, V] by an exponential race: argmax(p / E) with E ~ Exp(1) i.i.d.
+
+    picks token i with probability p_i. Only the noise comes from each row's generator, one row at a time; the
+    argmax over the batch is a single vectorized op.
+    """
+    noise = torch.empty_like(probs)
+    for row, generator in enumerate(generators):
+        noise[row].exponential_(generator=generator)
+    # An exact 0 from the sampler would turn a filtered token's 0 / 0 into NaN, which argmax would pick.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
