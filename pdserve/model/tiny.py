@@ -34,9 +34,9 @@ _TOKENIZER_KEYS = ("vocab_size", "bos_token_id", "eos_token_id")
 
 def tiny_config(arch: str, overrides: dict | None = None, dtype: str = "float32") -> dict:
     """config.json contents (without the tokenizer-derived ids), with the original DeepSeek field names."""
-    is_v3 = arch == "v3"
     if arch not in ("v2", "v3"):
         raise ValueError(f"arch must be 'v2' or 'v3', got {arch!r}")
+    is_v3 = arch == "v3"
     config = {
         "architectures": ["DeepseekV3ForCausalLM" if is_v3 else "DeepseekV2ForCausalLM"],
         "model_type": "deepseek_v3" if is_v3 else "deepseek_v2",
@@ -184,6 +184,12 @@ def _to_checkpoint_tensors(weights: dict[str, torch.Tensor], dtype: torch.dtype,
     return stored
 
 
+def _torch_dtype(dtype: str) -> torch.dtype:
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
 def _write_json(path: Path, content: dict) -> None:
     path.write_text(json.dumps(content, indent=2) + "\n")
 
@@ -198,8 +204,7 @@ def make_tiny_model(
     num_shards: int = 1,
 ) -> Path:
     """Writes config, tokenizer, generation config and random weights to `out_dir`; same arguments, same bytes."""
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    torch_dtype = _torch_dtype(dtype)
     out_path = Path(out_dir)
     out_path.mkdir(parents=True, exist_ok=True)
     config = tiny_config(arch, overrides, dtype)
@@ -221,15 +226,14 @@ def make_tiny_model(
         out_path / "generation_config.json",
         {"bos_token_id": tokenizer_ids.bos_token_id, "eos_token_id": tokenizer_ids.eos_token_id},
     )
-    tensors = _to_checkpoint_tensors(tiny_weights(config, seed), _DTYPES[dtype], fp8)
+    tensors = _to_checkpoint_tensors(tiny_weights(config, seed), torch_dtype, fp8)
     write_safetensors_checkpoint(out_path, tensors, num_shards)
     return out_path
 
 
 def dequantized_twin(fp8_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
     """Writes the fp8 checkpoint at `fp8_dir` again with every fp8 weight dequantized and no quantization_config."""
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    torch_dtype = _torch_dtype(dtype)
     source, out_path = Path(fp8_dir), Path(out_dir)
     out_path.mkdir(parents=True, exist_ok=True)
     config = json.loads((source / "config.json").read_text())
@@ -245,8 +249,8 @@ def dequantized_twin(fp8_dir: str | Path, out_dir: str | Path, dtype: str = "bfl
         if name.endswith("_scale_inv"):
             continue
         if tensor.dtype == FP8_DTYPE:
-            twin[name] = dequantize_block_fp8(tensor, stored[f"{name}_scale_inv"], block_size, _DTYPES[dtype])
+            twin[name] = dequantize_block_fp8(tensor, stored[f"{name}_scale_inv"], block_size, torch_dtype)
         else:
-            twin[name] = tensor.to(_stored_dtype(name, _DTYPES[dtype]))
+            twin[name] = tensor.to(_stored_dtype(name, torch_dtype))
     write_safetensors_checkpoint(out_path, twin)
     return out_path
