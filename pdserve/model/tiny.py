@@ -125,7 +125,8 @@ def _layer_shapes(config: dict, layer_index: int) -> dict[str, tuple[int, ...]]:
         add_mlp("mlp", config["intermediate_size"])
         return shapes
     shapes["mlp.gate.weight"] = (config["n_routed_experts"], hidden)
-    if config["topk_method"] == "noaux_tc":
+    # The V3 router always owns the bias (zero-cost when another topk_method ignores it), as in transformers.
+    if config["model_type"] == "deepseek_v3":
         shapes["mlp.gate.e_score_correction_bias"] = (config["n_routed_experts"],)
     for expert in range(config["n_routed_experts"]):
         add_mlp(f"mlp.experts.{expert}", config["moe_intermediate_size"])
