@@ -58,11 +58,15 @@ def _is_disconnect(exc: Exception) -> bool:
 
 
 class KVTransferAgent:
-    def __init__(self, name: str, kv: torch.Tensor):
+    def __init__(self, name: str, kv: torch.Tensor, progress_thread: bool = True):
+        """progress_thread: a NIXL thread that drives UCX in the background, so posted writes advance
+        while the caller computes. It busy-polls one CPU core even when idle; without it, writes advance
+        only inside poll/wait/take_notifications calls (see docs/transfer.md for the trade-off)."""
         self.name = name
         self.layout = PoolLayout.of_pool(kv)
         self._kv = kv  # keeps the registered memory alive as long as the agent
-        self._nixl = nixl_agent(name, nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+        config = nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+        self._nixl = nixl_agent(name, config)
         if "UCX" not in self._nixl.backends:
             raise RuntimeError(f"NIXL agent {name!r}: UCX backend unavailable (plugins: {self._nixl.plugin_list})")
         self._registration = self._nixl.register_memory(kv)

@@ -20,11 +20,13 @@ def _pool(num_pages: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randn(NUM_LAYERS, num_pages, PAGE_SIZE, KV_DIM, generator=generator).to(dtype)
 
 
-def _reader_main(conn: Connection, name: str, dtype: torch.dtype, seed: int, expected_notifs: int) -> None:
+def _reader_main(
+    conn: Connection, name: str, dtype: torch.dtype, seed: int, expected_notifs: int, progress_thread: bool
+) -> None:
     """Child: register a pool, send its metadata, collect `expected_notifs` notifications, send back
     (notifications, final pool bytes); with expected_notifs=0 just stay alive until told or killed."""
     kv = _pool(READER_PAGES, dtype, seed)
-    with KVTransferAgent(name, kv) as agent:
+    with KVTransferAgent(name, kv, progress_thread) as agent:
         conn.send(agent.metadata())
         notifs: list[tuple[str, bytes]] = []
         deadline = time.monotonic() + STEP_TIMEOUT_S
@@ -37,12 +39,13 @@ def _reader_main(conn: Connection, name: str, dtype: torch.dtype, seed: int, exp
 
 
 class _Reader:
-    def __init__(self, dtype: torch.dtype, seed: int, expected_notifs: int):
+    def __init__(self, dtype: torch.dtype, seed: int, expected_notifs: int, progress_thread: bool):
         self.name = f"reader-{uuid.uuid4().hex[:8]}"
         self.dtype, self.seed = dtype, seed
         self.conn, child_conn = mp.get_context("spawn").Pipe()
         self.process = mp.get_context("spawn").Process(
-            target=_reader_main, args=(child_conn, self.name, dtype, seed, expected_notifs), daemon=True
+            target=_reader_main, args=(child_conn, self.name, dtype, seed, expected_notifs, progress_thread),
+            daemon=True,
         )
         self.process.start()
 
@@ -66,8 +69,8 @@ class _Reader:
 def spawn_reader():
     readers: list[_Reader] = []
 
-    def spawn(dtype=torch.float32, seed=1, expected_notifs=1) -> _Reader:
-        readers.append(_Reader(dtype, seed, expected_notifs))
+    def spawn(dtype=torch.float32, seed=1, expected_notifs=1, progress_thread=True) -> _Reader:
+        readers.append(_Reader(dtype, seed, expected_notifs, progress_thread))
         return readers[-1]
 
     yield spawn
@@ -80,18 +83,22 @@ def writer_pool() -> torch.Tensor:
     return _pool(WRITER_PAGES, torch.float32, seed=0)
 
 
-def _writer(kv: torch.Tensor) -> KVTransferAgent:
-    return KVTransferAgent(f"writer-{uuid.uuid4().hex[:8]}", kv)
+def _writer(kv: torch.Tensor, progress_thread: bool = True) -> KVTransferAgent:
+    return KVTransferAgent(f"writer-{uuid.uuid4().hex[:8]}", kv, progress_thread)
 
 
 @pytest.mark.timeout(40)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_written_pages_land_exactly_and_untouched_pages_keep_their_bytes(spawn_reader, dtype):
-    reader = spawn_reader(dtype, seed=1, expected_notifs=2)
+@pytest.mark.parametrize(
+    "dtype, progress_thread",
+    [(torch.float32, True), (torch.bfloat16, False)],
+    ids=["float32-progress-thread", "bfloat16-no-progress-thread"],
+)
+def test_written_pages_land_exactly_and_untouched_pages_keep_their_bytes(spawn_reader, dtype, progress_thread):
+    reader = spawn_reader(dtype, seed=1, expected_notifs=2, progress_thread=progress_thread)
     writer_kv = _pool(WRITER_PAGES, dtype, seed=0)
     src_ids = [0, 1, 2, 7, 5, 9, 10]  # runs 0-2 and 9-10, singles 7 and 5
     dst_ids = [3, 4, 5, 0, 17, 11, 12]
-    with _writer(writer_kv) as writer:
+    with _writer(writer_kv, progress_thread) as writer:
         peer = writer.add_peer(reader.receive())
         assert peer == reader.name
         writer.wait(writer.write_pages(peer, src_ids, dst_ids, b"req-1"), timeout_s=STEP_TIMEOUT_S)
