@@ -4,17 +4,18 @@ The writer (prefill rank) loads the reader's metadata blob and writes; the reade
 registers its pool, hands out `metadata()` and collects the notification each write delivers once all
 its bytes have landed. The reader never needs the writer's metadata.
 
-UCX transports: the defaults work on one host with no GPU (RMA puts go over `cma`, notifications over
-`tcp`); between nodes UCX picks `rc`/`dc` on InfiniBand or `tcp`. Where `cma` is blocked (a container
-without CAP_SYS_PTRACE) run with UCX_TLS=tcp,self (about 5x slower here). UCX reads these variables
-itself; this module reads none. Not thread-safe: use an agent from one thread (the rank's step loop).
+UCX transports: no UCX_* variable is needed. On one host without GPUs UCX puts over `cma`
+(process_vm_writev) and sends notifications over `tcp` on loopback; between nodes it picks `rc`/`dc` on
+InfiniBand/RoCE or `tcp`. Where `cma` is blocked (a container without CAP_SYS_PTRACE), UCX_TLS=tcp,self
+works, about 3x slower here. UCX reads these variables itself; this module reads none.
+Not thread-safe: use an agent from one thread (the rank's step loop).
 """
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 from nixl._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
@@ -25,6 +26,7 @@ from pdserve.transfer.metadata import METADATA_VERSION, AgentMetadata, decode_me
 log = logging.getLogger(__name__)
 
 TransferState = Literal["pending", "done", "error"]
+T = TypeVar("T")
 
 
 class TransferError(RuntimeError):
@@ -223,7 +225,7 @@ class KVTransferAgent:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _call_peer(self, peer: str, call):
+    def _call_peer(self, peer: str, call: Callable[[], T]) -> T:
         try:
             return call()
         except Exception as exc:
