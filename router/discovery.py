@@ -134,6 +134,8 @@ class KubernetesDiscovery:
                     if self._stop.is_set():
                         return
                     pod = event["raw_object"]
+                    if event["type"] == "BOOKMARK":
+                        continue
                     if event["type"] == "ERROR":
                         resource_version = ""  # 410 Gone and friends: list again
                         break

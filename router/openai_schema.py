@@ -81,8 +81,10 @@ def decode_request(body: bytes, request_type: type[msgspec.Struct]) -> Any:
         if param is None and text.startswith("Object missing required field"):
             param = text.split("`")[1]
         raise bad_request(f"Invalid request: {text}", param=param) from None
-    except msgspec.DecodeError as error:
+    except (msgspec.DecodeError, UnicodeDecodeError) as error:
         raise bad_request(f"Malformed JSON body: {error}", code="invalid_json") from None
+    except RecursionError:
+        raise bad_request("JSON body is nested too deeply", code="invalid_json") from None
 
 
 def prompts_of(request: CompletionRequest) -> list[str | list[int]]:
