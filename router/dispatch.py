@@ -3,6 +3,7 @@ send ONE GenerateRequest (to the decode worker, which drives the prefill itself,
 another rank while no token has come back; abort on the worker when the caller stops listening."""
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -103,12 +104,13 @@ class Dispatcher:
             finished = False
             started = False
             try:
-                async for event in client.generate(worker_request, self._first_token_timeout_s):
-                    started = True
-                    finished = event.finish_reason is not None
-                    yield event
-                    if finished:
-                        return
+                async with contextlib.aclosing(client.generate(worker_request, self._first_token_timeout_s)) as events:
+                    async for event in events:
+                        started = True
+                        finished = event.finish_reason is not None
+                        yield event
+                        if finished:
+                            return
                 return
             except WorkerUnavailable as error:
                 if started:

@@ -2,6 +2,7 @@
 a whole JSON response or an SSE stream ending with `data: [DONE]`."""
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -20,6 +21,22 @@ from router.responses import SSE_DONE, ChoiceOutput, ResponseBuilder, sse, usage
 from router.tokenizer import PromptTokenizer
 
 DISCONNECT_POLL_S = 0.5
+
+
+class ReleasingStreamingResponse(StreamingResponse):
+    """Releases the request's admission slot and closes the body however the response ends, even when the
+    client left before the body was first iterated (an async generator never started runs no `finally`)."""
+
+    def __init__(self, content: AsyncIterator[bytes], release: Callable[[], None], **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+            await self.body_iterator.aclose()
 
 
 @dataclass
@@ -92,8 +109,8 @@ class Serving:
         events = self._merged_events(request_id, plans, arrival_s)
         n = request.n or 1
         if request.stream:
-            stream = self._stream(builder, outputs, events, schema.include_usage_in_stream(request), n, arrival_s, on_done)
-            return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            stream = self._stream(builder, outputs, events, schema.include_usage_in_stream(request), n, arrival_s)
+            return ReleasingStreamingResponse(stream, on_done, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             await self._collect_unless_disconnected(outputs, events, http_request, arrival_s)
         finally:
@@ -111,8 +128,10 @@ class Serving:
 
         async def pump(position: int, plan: ChoicePlan) -> None:
             try:
-                async for event in self.dispatcher.generate(f"{request_id}-{plan.index}", plan.prompt_token_ids, plan.sampling, arrival_s):
-                    await queue.put((position, event))
+                choice_events = self.dispatcher.generate(f"{request_id}-{plan.index}", plan.prompt_token_ids, plan.sampling, arrival_s)
+                async with contextlib.aclosing(choice_events):
+                    async for event in choice_events:
+                        await queue.put((position, event))
                 await queue.put((position, None))
             except APIError as error:
                 await queue.put((position, error))
@@ -156,8 +175,9 @@ class Serving:
         last_token_s: dict[int, float] = {}
 
         async def collect() -> None:
-            async for position, event in events:
-                self._absorb(outputs[position], event, last_token_s, arrival_s)
+            async with contextlib.aclosing(events):
+                async for position, event in events:
+                    self._absorb(outputs[position], event, last_token_s, arrival_s)
 
         collector = asyncio.create_task(collect())
         try:
@@ -176,23 +196,24 @@ class Serving:
         self.metrics.observe_e2e(time.monotonic() - arrival_s)
 
     async def _stream(self, builder: ResponseBuilder, outputs: list[ChoiceOutput], events, include_usage: bool, n: int,
-                      arrival_s: float, on_done: Callable[[], None]) -> AsyncIterator[bytes]:
+                      arrival_s: float) -> AsyncIterator[bytes]:
         last_token_s: dict[int, float] = {}
         status = "client_disconnected"  # unless the loop below reaches an end
         try:
             try:
-                async for position, event in events:
-                    output = outputs[position]
-                    first = output.index not in last_token_s and not output.token_ids and not output.text
-                    text_offset = len(output.text)
-                    self._absorb(output, event, last_token_s, arrival_s)
-                    if event.finish_reason == "error":
-                        yield sse(APIError(502, f"the worker failed while generating: {event.error}", code="worker_error",
-                                           type="server_error").body())
-                        continue
-                    if event.token_ids or event.text or event.finish_reason is not None:
-                        yield builder.chunk(output, event.text, event.token_ids, event.logprobs, event.finish_reason,
-                                            first, text_offset)
+                async with contextlib.aclosing(events):  # leaving early must cancel (and abort) every choice now
+                    async for position, event in events:
+                        output = outputs[position]
+                        first = output.index not in last_token_s and not output.token_ids and not output.text
+                        text_offset = len(output.text)
+                        self._absorb(output, event, last_token_s, arrival_s)
+                        if event.finish_reason == "error":
+                            yield sse(APIError(502, f"the worker failed while generating: {event.error}", code="worker_error",
+                                               type="server_error").body())
+                            continue
+                        if event.token_ids or event.text or event.finish_reason is not None:
+                            yield builder.chunk(output, event.text, event.token_ids, event.logprobs, event.finish_reason,
+                                                first, text_offset)
                 status = "error" if any(o.finish_reason == "error" for o in outputs) else "ok"
             except APIError as error:
                 status = "error"
@@ -203,4 +224,3 @@ class Serving:
             self.metrics.observe_e2e(time.monotonic() - arrival_s)
         finally:
             self.metrics.count_request(status)
-            on_done()

@@ -5,6 +5,7 @@ Everything here is rebuilt from the workers after a router restart: info and loa
 KV-event dump (subscribe with after=-1)."""
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -179,10 +180,12 @@ class WorkerPool:
         key = (worker.url, rank)
         while True:
             try:
-                async for batch in worker.client.kv_events(rank, self._index.subscribe_after(key)):
-                    if not self._index.apply(key, batch):
-                        logger.info("KV event gap on %s; resyncing from a full dump", key)
-                        break
+                batches = worker.client.kv_events(rank, self._index.subscribe_after(key))
+                async with contextlib.aclosing(batches):
+                    async for batch in batches:
+                        if not self._index.apply(key, batch):
+                            logger.info("KV event gap on %s; resyncing from a full dump", key)
+                            break
             except (httpx.HTTPError, ValueError) as error:
                 logger.debug("KV event stream of %s broke: %r", key, error)
             await asyncio.sleep(KV_RESUBSCRIBE_DELAY_S)
