@@ -39,7 +39,6 @@ class RouterConfig:
     pending_assignment_ttl_s: float = 10.0  # router's own assignments count in the index this long
     max_attempts: int = 3  # ranks tried for a request that has produced no token yet
     first_token_timeout_s: float = 600.0  # bound on waiting for a worker's first token
-    request_timeout_s: float = 3600.0
 
     def __post_init__(self) -> None:
         checks = [
