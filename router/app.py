@@ -1,0 +1,170 @@
+"""The router's HTTP edge: builds the FastAPI app (OpenAI routes, /health, /metrics), owns startup and shutdown,
+and turns every APIError into OpenAI-shaped JSON."""
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+import httpx
+import msgspec
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from router import openai_schema as schema
+from router.admission import Admission, authenticate, read_body_limited
+from router.config import RouterConfig
+from router.discovery import Discovery, KubernetesDiscovery, StaticDiscovery
+from router.dispatch import Dispatcher
+from router.errors import APIError
+from router.metrics import RouterMetrics
+from router.policies import make_policy
+from router.prefix_index import PrefixIndex
+from router.serving import Serving
+from router.tokenizer import PromptTokenizer
+from router.workers import WorkerPool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RouterParts:
+    """What the routes use, built once per app."""
+
+    config: RouterConfig
+    metrics: RouterMetrics
+    admission: Admission
+    pool: WorkerPool | None = None
+    serving: Serving | None = None
+
+
+def make_discovery(config: RouterConfig) -> Discovery:
+    if config.discovery == "k8s":
+        return KubernetesDiscovery(config.k8s_namespace, config.k8s_label_selector)
+    return StaticDiscovery(config.worker_urls)
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def _openapi_request_body(request_type: type) -> dict:
+    (schema_ref,), components = msgspec.json.schema_components([request_type], ref_template="#/components/schemas/{name}")
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema_ref}}}}, components
+
+
+def build_router_app(config: RouterConfig, discovery: Discovery | None = None) -> FastAPI:
+    """The router app; `discovery` overrides the one the config names (tests, `pdserve up`)."""
+    tokenizer = PromptTokenizer(config.model_dir)
+    metrics = RouterMetrics(config.model_name, config.routing)
+    parts = RouterParts(config, metrics, Admission(config.max_concurrent_requests, config.max_streams_per_api_key, config.retry_after_s))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        worker_discovery = discovery if discovery is not None else make_discovery(config)
+        index = PrefixIndex(pending_ttl_s=config.pending_assignment_ttl_s)
+        pool = WorkerPool(worker_discovery, http, index, metrics, config.health_interval_s, config.health_timeout_s,
+                          config.eject_after_failures)
+        dispatcher = Dispatcher(pool, index, make_policy(config.routing, config.prefix_weight, config.load_weight),
+                                metrics, config.max_attempts, config.first_token_timeout_s, config.retry_after_s)
+        parts.pool = pool
+        parts.serving = Serving(
+            tokenizer, dispatcher, metrics, config.model_name,
+            lambda: config.max_model_len or pool.max_model_len(), config.max_n, config.max_tokens_limit, config.retry_after_s,
+        )
+        pool.start()
+        try:
+            yield
+        finally:
+            await pool.close()
+            worker_discovery.close()
+            await http.aclose()
+
+    app = FastAPI(title="pdserve router", lifespan=lifespan)
+    app.state.parts = parts
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, error: APIError) -> JSONResponse:
+        # 401s are not counted (anyone can produce them); 502s and 499s were counted where they happened.
+        status_label = {429: "rate_limited", 503: "unavailable"}.get(error.status)
+        if status_label is None and 400 <= error.status < 499 and error.status != 401:
+            status_label = "rejected"
+        if status_label is not None and request.url.path.startswith("/v1/"):
+            metrics.count_request(status_label)
+        return error_response(error)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return error_response(APIError(error.status_code, str(error.detail), code="not_found" if error.status_code == 404 else None))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected_error(request: Request, error: Exception) -> JSONResponse:
+        logger.exception("unexpected error on %s", request.url.path)
+        return error_response(APIError(500, f"internal error: {type(error).__name__}", type="server_error"))
+
+    def check_key(request: Request) -> str:
+        return authenticate(request.headers.get("authorization"), config.api_keys)
+
+    async def handle_generation(request: Request, kind: str) -> Response:
+        arrival_s = time.monotonic()
+        api_key = check_key(request)
+        body = await read_body_limited(request, config.max_body_bytes)
+        if parts.serving is None:
+            raise APIError(503, "the router is starting", type="server_error", headers={"Retry-After": "1"})
+        if kind == "chat":
+            parsed = schema.decode_request(body, schema.ChatCompletionRequest)
+            plans = parts.serving.plan_chat(parsed)
+        else:
+            parsed = schema.decode_request(body, schema.CompletionRequest)
+            plans = parts.serving.plan_completion(parsed)
+        release = parts.admission.enter(api_key)
+        try:
+            return await parts.serving.respond(kind, parsed, plans, request, arrival_s, release)
+        except BaseException:
+            release()
+            raise
+
+    completion_body, completion_components = _openapi_request_body(schema.CompletionRequest)
+    chat_body, chat_components = _openapi_request_body(schema.ChatCompletionRequest)
+
+    @app.post("/v1/completions", openapi_extra=completion_body)
+    async def completions(request: Request) -> Response:
+        return await handle_generation(request, "completion")
+
+    @app.post("/v1/chat/completions", openapi_extra=chat_body)
+    async def chat_completions(request: Request) -> Response:
+        return await handle_generation(request, "chat")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        check_key(request)
+        model = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "pdserve"}
+        max_model_len = config.max_model_len or (parts.pool.max_model_len() if parts.pool else None)
+        if max_model_len:
+            model["max_model_len"] = max_model_len
+        return {"object": "list", "data": [model]}
+
+    @app.get("/health")
+    async def health() -> dict:
+        workers = parts.pool.workers.values() if parts.pool else []
+        return {
+            "status": "ok",
+            "workers": {w.url: ("ok" if w.routable else (w.health.status if w.admitted and w.health else "ejected")) for w in workers},
+        }
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    original_openapi = app.openapi
+
+    def openapi_with_request_schemas() -> dict:
+        document = original_openapi()
+        document.setdefault("components", {}).setdefault("schemas", {}).update({**completion_components, **chat_components})
+        return document
+
+    app.openapi = openapi_with_request_schemas
+    return app

@@ -1,0 +1,98 @@
+"""The router's configuration: one frozen dataclass built once from CLI flags (or by tests) and passed down."""
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+RoutingPolicy = Literal["prefix", "round_robin", "least_load"]
+DiscoveryKind = Literal["static", "k8s"]
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model_dir: str  # holds tokenizer.json and tokenizer_config.json
+    served_model_name: str = ""  # defaults to the model directory's name
+    host: str = "127.0.0.1"
+    port: int = 8000
+    discovery: DiscoveryKind = "static"
+    worker_urls: tuple[str, ...] = ()
+    k8s_namespace: str = "default"
+    k8s_label_selector: str = "app.kubernetes.io/name=pdserve"
+    routing: RoutingPolicy = "prefix"
+    prefix_weight: float = 1.0
+    load_weight: float = 0.5
+    api_keys: frozenset[str] = field(default_factory=frozenset)  # empty: no authentication
+    # Limits: what a request may ask for before it is refused with a 4xx.
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_n: int = 16
+    max_tokens_limit: int = 32768
+    max_model_len: int = 0  # 0: taken from the workers' info (the smallest), else this
+    # Admission: requests in flight beyond this get a 429 with Retry-After instead of waiting unboundedly.
+    max_concurrent_requests: int = 1024
+    max_streams_per_api_key: int = 256
+    retry_after_s: int = 1
+    # Workers: how fast a dead one is ejected and a returning one re-admitted.
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 1.0
+    eject_after_failures: int = 2
+    pending_assignment_ttl_s: float = 10.0  # router's own assignments count in the index this long
+    max_attempts: int = 3  # ranks tried for a request that has produced no token yet
+    first_token_timeout_s: float = 600.0  # bound on waiting for a worker's first token
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.routing in ("prefix", "round_robin", "least_load"), f"routing must be prefix|round_robin|least_load, got {self.routing!r}"),
+            (self.discovery in ("static", "k8s"), f"discovery must be static|k8s, got {self.discovery!r}"),
+            (self.prefix_weight >= 0 and self.load_weight >= 0, "prefix_weight and load_weight must be >= 0"),
+            (self.max_attempts >= 1, "max_attempts must be >= 1"),
+            (self.eject_after_failures >= 1, "eject_after_failures must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_dir).name
+
+
+def read_api_keys(path: str) -> frozenset[str]:
+    """One key per line; blank lines and lines starting with '#' are skipped."""
+    lines = Path(path).read_text().splitlines()
+    keys = frozenset(line.strip() for line in lines if line.strip() and not line.strip().startswith("#"))
+    if not keys:
+        raise ValueError(f"API keys file {path} holds no key")
+    return keys
+
+
+def add_router_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--model", required=True, help="model directory (tokenizer.json, tokenizer_config.json)")
+    parser.add_argument("--served-model-name", default="", help="model name clients use (default: directory name)")
+    parser.add_argument("--discovery", choices=["static", "k8s"], default="static")
+    parser.add_argument("--workers", default="", help="comma-separated worker URLs (static discovery)")
+    parser.add_argument("--k8s-namespace", default="default")
+    parser.add_argument("--k8s-label-selector", default="app.kubernetes.io/name=pdserve")
+    parser.add_argument("--routing", choices=["prefix", "round_robin", "least_load"], default="prefix")
+    parser.add_argument("--prefix-weight", type=float, default=1.0)
+    parser.add_argument("--load-weight", type=float, default=0.5)
+    parser.add_argument("--api-keys-file", default="", help="file with one API key per line (default: no auth)")
+
+
+def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        model_dir=args.model,
+        served_model_name=args.served_model_name,
+        host=args.host,
+        port=args.port,
+        discovery=args.discovery,
+        worker_urls=tuple(url.strip().rstrip("/") for url in args.workers.split(",") if url.strip()),
+        k8s_namespace=args.k8s_namespace,
+        k8s_label_selector=args.k8s_label_selector,
+        routing=args.routing,
+        prefix_weight=args.prefix_weight,
+        load_weight=args.load_weight,
+        api_keys=read_api_keys(args.api_keys_file) if args.api_keys_file else frozenset(),
+    )

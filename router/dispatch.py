@@ -1,0 +1,129 @@
+"""Sending one generation to the workers: pick the prefill rank (policy) and, for a prefill worker, a decode rank;
+send ONE GenerateRequest (to the decode worker, which drives the prefill itself, or to a `both` worker); retry on
+another rank while no token has come back; abort on the worker when the caller stops listening."""
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.worker.protocol import GenerateRequest, Plan, PrefillSource, TokenEvent
+from router.errors import APIError
+from router.metrics import RouterMetrics
+from router.policies import Policy, RoutingRequest, choose_decode
+from router.prefix_index import PrefixIndex, RankKey
+from router.worker_client import WorkerUnavailable
+from router.workers import WorkerPool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Route:
+    prefill: RankKey  # where the prompt is computed (and its prefix looked up)
+    target: RankKey  # where the GenerateRequest goes: the decode rank, or the prefill rank of a `both` worker
+    plan: Plan
+    matched_tokens: int
+
+
+def no_workers_error(retry_after_s: int) -> APIError:
+    return APIError(
+        503, "no worker is available to serve this request; retry shortly", code="no_workers", type="server_error",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+class Dispatcher:
+    def __init__(
+        self, pool: WorkerPool, index: PrefixIndex, policy: Policy, metrics: RouterMetrics,
+        max_attempts: int, first_token_timeout_s: float, retry_after_s: int,
+    ) -> None:
+        self._pool = pool
+        self._index = index
+        self._policy = policy
+        self._metrics = metrics
+        self._max_attempts = max_attempts
+        self._first_token_timeout_s = first_token_timeout_s
+        self._retry_after_s = retry_after_s
+        self._sequence = itertools.count()
+        self._abort_tasks: set[asyncio.Task] = set()
+
+    def can_serve(self) -> bool:
+        prefill = self._pool.ranks_with_role(("prefill", "both"))
+        has_decode = bool(self._pool.ranks_with_role(("decode",)))
+        return any(self._pool.role_of(url) == "both" or has_decode for url, _ in prefill)
+
+    def choose(self, prompt_token_ids: list[int], excluded: set[RankKey]) -> Route | None:
+        decode_ranks = [k for k in self._pool.ranks_with_role(("decode",)) if k not in excluded]
+        candidates = [
+            key for key in self._pool.ranks_with_role(("prefill", "both"))
+            if key not in excluded and (self._pool.role_of(key[0]) == "both" or decode_ranks)
+        ]
+        if not candidates:
+            return None
+        loads = self._pool.loads()
+        matches = self._index.matched_tokens(candidates, prompt_token_ids)
+        sequence_number = next(self._sequence)
+        request = RoutingRequest(prompt_len=len(prompt_token_ids), sequence_number=sequence_number)
+        prefill = self._policy(candidates, loads, matches, request)
+        if self._pool.role_of(prefill[0]) == "both":
+            return Route(prefill, prefill, Plan(kind="both"), matches.get(prefill, 0))
+        decode = choose_decode(decode_ranks, loads, sequence_number)
+        plan = Plan(kind="decode", prefill=PrefillSource(url=prefill[0], rank=prefill[1]))
+        return Route(prefill, decode, plan, matches.get(prefill, 0))
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, arrival_s: float
+    ) -> AsyncIterator[TokenEvent]:
+        """The request's TokenEvents; raises APIError(503) if no rank could start it."""
+        excluded: set[RankKey] = set()
+        for attempt in range(self._max_attempts):
+            route = self.choose(prompt_token_ids, excluded)
+            if route is None:
+                break
+            excluded.update({route.prefill, route.target})
+            if attempt == 0:
+                self._metrics.observe_queue(time.monotonic() - arrival_s)
+                self._metrics.observe_prefix_match_ratio(route.matched_tokens / max(1, len(prompt_token_ids)))
+            else:
+                self._metrics.count_retry()
+            self._index.record_assignment(route.prefill, prompt_token_ids)
+            self._pool.note_assignment(route.prefill)
+            if route.target != route.prefill:
+                self._pool.note_assignment(route.target)
+            attempt_id = f"{request_id}-{attempt}"  # unique per attempt: a half-started earlier one may linger
+            worker_request = GenerateRequest(
+                request_id=attempt_id, rank=route.target[1], prompt_token_ids=prompt_token_ids,
+                sampling=sampling, plan=route.plan,
+            )
+            client = self._pool.client(route.target[0])
+            finished = False
+            started = False
+            try:
+                async with contextlib.aclosing(client.generate(worker_request, self._first_token_timeout_s)) as events:
+                    async for event in events:
+                        started = True
+                        finished = event.finish_reason is not None
+                        yield event
+                        if finished:
+                            return
+                return
+            except WorkerUnavailable as error:
+                if started:
+                    raise
+                logger.warning("request %s failed on %s before its first token: %s", request_id, route.target, error)
+                self._pool.report_failure(route.target[0])  # a dead prefill worker is ejected by its health checks
+            finally:
+                if not finished:  # the caller left, or the attempt failed: free whatever the worker holds for it
+                    self._abort_later(client, attempt_id)
+        raise no_workers_error(self._retry_after_s)
+
+    def _abort_later(self, client, request_id: str) -> None:
+        # Runs while the caller's task is being cancelled, so the abort gets a task of its own.
+        task = asyncio.create_task(client.abort(request_id))
+        self._abort_tasks.add(task)
+        task.add_done_callback(self._abort_tasks.discard)

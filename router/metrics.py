@@ -1,0 +1,71 @@
+"""The router's Prometheus metrics, in a registry of their own (no process-wide globals)."""
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+TTFT_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 60.0)
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+QUEUE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+class RouterMetrics:
+    def __init__(self, model: str, routing_policy: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model", "routing_policy"]
+        self._label_values = {"model": model, "routing_policy": routing_policy}
+
+        def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, documentation, labels, buckets=buckets, registry=self.registry)
+
+        self.time_to_first_token = histogram("pdserve_time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS_S)
+        self.inter_token_latency = histogram("pdserve_inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS_S)
+        self.e2e_request_latency = histogram("pdserve_e2e_request_latency_seconds", "Request latency.", E2E_BUCKETS_S)
+        self.request_queue = histogram(
+            "pdserve_request_queue_seconds", "Time from arrival to the request being sent to a worker.", QUEUE_BUCKETS_S
+        )
+        self.routed_prefix_match_ratio = histogram(
+            "pdserve_routed_prefix_match_ratio", "Matched / total prompt tokens on the chosen rank.", RATIO_BUCKETS
+        )
+        self._requests = Counter("pdserve_requests", "Requests by final status.", labels + ["status"], registry=self.registry)
+        self._ejections = Counter(
+            "pdserve_router_worker_ejections", "Workers ejected after failed health checks or requests.", labels + ["worker"],
+            registry=self.registry,
+        )
+        self._retries = Counter(
+            "pdserve_router_retries", "Requests re-sent to another rank before their first token.", labels, registry=self.registry
+        )
+        self._healthy_workers = Gauge("pdserve_router_healthy_workers", "Workers routable now.", labels, registry=self.registry)
+
+    def _labels(self, metric):
+        return metric.labels(**self._label_values)
+
+    def observe_ttft(self, seconds: float) -> None:
+        self._labels(self.time_to_first_token).observe(seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        self._labels(self.inter_token_latency).observe(seconds)
+
+    def observe_e2e(self, seconds: float) -> None:
+        self._labels(self.e2e_request_latency).observe(seconds)
+
+    def observe_queue(self, seconds: float) -> None:
+        self._labels(self.request_queue).observe(seconds)
+
+    def observe_prefix_match_ratio(self, ratio: float) -> None:
+        self._labels(self.routed_prefix_match_ratio).observe(ratio)
+
+    def count_request(self, status: str) -> None:
+        self._requests.labels(status=status, **self._label_values).inc()
+
+    def count_ejection(self, worker_url: str) -> None:
+        self._ejections.labels(worker=worker_url, **self._label_values).inc()
+
+    def count_retry(self) -> None:
+        self._labels(self._retries).inc()
+
+    def set_healthy_workers(self, count: int) -> None:
+        self._labels(self._healthy_workers).set(count)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

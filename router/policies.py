@@ -1,0 +1,78 @@
+"""Routing policies: pure functions of snapshots handed to them, never calling discovery or the network.
+
+A policy is `route(candidates, loads, prefix_matches, request) -> chosen candidate`:
+  candidates      ranks that may take the request, as (worker url, rank), in a stable order
+  loads           the last polled load of each rank (absent: not polled yet, treated as idle)
+  prefix_matches  prompt tokens each rank already holds (from the prefix index)
+  request         the prompt's length and the router's request counter
+"""
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.worker.protocol import RankLoad
+from router.prefix_index import RankKey
+
+
+@dataclass(frozen=True)
+class RoutingRequest:
+    prompt_len: int
+    sequence_number: int  # increases by one per routed request; round robin uses it
+
+
+Policy = Callable[[list[RankKey], dict[RankKey, RankLoad], dict[RankKey, int], RoutingRequest], RankKey]
+
+
+def normalized_loads(candidates: list[RankKey], loads: dict[RankKey, RankLoad]) -> dict[RankKey, float]:
+    """Load in [0, 1]: half queue depth relative to the busiest candidate, half the fraction of pages in use."""
+    queue = {key: (loads[key].running + loads[key].waiting) if key in loads else 0 for key in candidates}
+    busiest = max(queue.values(), default=0)
+    result = {}
+    for key in candidates:
+        queue_load = queue[key] / busiest if busiest else 0.0
+        load = loads.get(key)
+        page_load = 1.0 - load.free_pages / load.total_pages if load and load.total_pages else 0.0
+        result[key] = 0.5 * queue_load + 0.5 * page_load
+    return result
+
+
+def route_round_robin(candidates, loads, prefix_matches, request: RoutingRequest) -> RankKey:
+    return candidates[request.sequence_number % len(candidates)]
+
+
+def route_least_load(candidates, loads, prefix_matches, request: RoutingRequest) -> RankKey:
+    normalized = normalized_loads(candidates, loads)
+    # Ties (e.g. all idle) go round robin so an idle cluster still spreads work.
+    start = request.sequence_number % len(candidates)
+    rotated = candidates[start:] + candidates[:start]
+    return min(rotated, key=lambda key: normalized[key])
+
+
+def route_prefix(candidates, loads, prefix_matches, request: RoutingRequest, prefix_weight: float, load_weight: float) -> RankKey:
+    """score = prefix_weight * matched fraction of the prompt - load_weight * normalized load; highest wins."""
+    normalized = normalized_loads(candidates, loads)
+    prompt_len = max(1, request.prompt_len)
+    start = request.sequence_number % len(candidates)
+    rotated = candidates[start:] + candidates[:start]
+
+    def score(key: RankKey) -> float:
+        matched_fraction = min(prefix_matches.get(key, 0), prompt_len) / prompt_len
+        return prefix_weight * matched_fraction - load_weight * normalized[key]
+
+    return max(rotated, key=score)
+
+
+def choose_decode(candidates: list[RankKey], loads: dict[RankKey, RankLoad], sequence_number: int) -> RankKey:
+    """Decode ranks hold no reusable prefix for a new request: the least loaded by queue and free pages."""
+    return route_least_load(candidates, loads, {}, RoutingRequest(prompt_len=0, sequence_number=sequence_number))
+
+
+def make_policy(name: str, prefix_weight: float, load_weight: float) -> Policy:
+    if name == "prefix":
+        return functools.partial(route_prefix, prefix_weight=prefix_weight, load_weight=load_weight)
+    if name == "round_robin":
+        return route_round_robin
+    if name == "least_load":
+        return route_least_load
+    raise ValueError(f"unknown routing policy {name!r}; expected prefix, round_robin or least_load")

@@ -1,0 +1,226 @@
+"""One OpenAI request end to end: prompts -> token ids -> one generation per choice (through the dispatcher) ->
+a whole JSON response or an SSE stream ending with `data: [DONE]`."""
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.worker.protocol import TokenEvent
+from router import openai_schema as schema
+from router.dispatch import Dispatcher, no_workers_error
+from router.errors import APIError
+from router.metrics import RouterMetrics
+from router.responses import SSE_DONE, ChoiceOutput, ResponseBuilder, sse, usage
+from router.tokenizer import PromptTokenizer
+
+DISCONNECT_POLL_S = 0.5
+
+
+class ReleasingStreamingResponse(StreamingResponse):
+    """Releases the request's admission slot and closes the body however the response ends, even when the
+    client left before the body was first iterated (an async generator never started runs no `finally`)."""
+
+    def __init__(self, content: AsyncIterator[bytes], release: Callable[[], None], **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+            await self.body_iterator.aclose()
+
+
+@dataclass
+class ChoicePlan:
+    index: int
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+
+
+class Serving:
+    def __init__(self, tokenizer: PromptTokenizer, dispatcher: Dispatcher, metrics: RouterMetrics, model_name: str,
+                 max_model_len: Callable[[], int | None], max_n: int, max_tokens_limit: int, retry_after_s: int) -> None:
+        self.tokenizer = tokenizer
+        self.dispatcher = dispatcher
+        self.metrics = metrics
+        self.model_name = model_name
+        self._max_model_len = max_model_len
+        self._max_n = max_n
+        self._max_tokens_limit = max_tokens_limit
+        self._retry_after_s = retry_after_s
+
+    # --- request -> choices ----------------------------------------------------------------------------------------
+
+    def _check_model(self, request: schema.SamplingFields) -> None:
+        if request.model != self.model_name:
+            raise APIError(404, f"The model `{request.model}` does not exist; this router serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+
+    def _plan_choices(self, request: schema.SamplingFields, prompts: list[list[int]]) -> list[ChoicePlan]:
+        max_model_len = self._max_model_len()
+        if max_model_len is None:
+            raise no_workers_error(self._retry_after_s)
+        n = request.n or 1
+        plans = []
+        for prompt_index, prompt_token_ids in enumerate(prompts):
+            if not prompt_token_ids:
+                raise schema.bad_request("the prompt is empty after tokenization", param="prompt")
+            max_tokens = schema.resolve_max_tokens(request, len(prompt_token_ids), max_model_len, self._max_tokens_limit)
+            for j in range(n):
+                sampling = schema.sampling_params_of(request, max_tokens, j)
+                plans.append(ChoicePlan(prompt_index * n + j, prompt_token_ids, sampling))
+        return plans
+
+    def plan_completion(self, request: schema.CompletionRequest) -> list[ChoicePlan]:
+        self._check_model(request)
+        schema.check_limits(request, self._max_n, self._max_tokens_limit)
+        prompts = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in schema.prompts_of(request)]
+        return self._plan_choices(request, prompts)
+
+    def plan_chat(self, request: schema.ChatCompletionRequest) -> list[ChoicePlan]:
+        self._check_model(request)
+        schema.check_limits(request, self._max_n, self._max_tokens_limit)
+        add_generation_prompt = True if request.add_generation_prompt is None else request.add_generation_prompt
+        prompt = self.tokenizer.encode_chat(
+            schema.chat_messages_of(request), add_generation_prompt, **(request.chat_template_kwargs or {})
+        )
+        return self._plan_choices(request, [prompt])
+
+    # --- choices -> response ---------------------------------------------------------------------------------------
+
+    async def respond(self, kind: str, request: schema.SamplingFields, plans: list[ChoicePlan], http_request: Request,
+                      arrival_s: float, on_done: Callable[[], None]) -> Response:
+        if not self.dispatcher.can_serve():
+            raise no_workers_error(self._retry_after_s)
+        request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        wants_logprobs = bool(request.logprobs) if kind == "chat" else request.logprobs is not None
+        builder = ResponseBuilder(kind, request_id, int(time.time()), self.model_name, self.tokenizer,
+                                  wants_logprobs, bool(request.return_token_ids))
+        outputs = [ChoiceOutput(plan.index, plan.prompt_token_ids) for plan in plans]
+        events = self._merged_events(request_id, plans, arrival_s)
+        n = request.n or 1
+        if request.stream:
+            stream = self._stream(builder, outputs, events, schema.include_usage_in_stream(request), n, arrival_s)
+            return ReleasingStreamingResponse(stream, on_done, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            await self._collect_unless_disconnected(outputs, events, http_request, arrival_s)
+        finally:
+            on_done()
+        failed = next((o for o in outputs if o.finish_reason == "error"), None)
+        if failed is not None:
+            self.metrics.count_request("error")
+            raise APIError(502, f"the worker failed while generating: {failed.error}", code="worker_error", type="server_error")
+        self.metrics.count_request("ok")
+        return JSONResponse(builder.whole(outputs, usage(outputs, n)))
+
+    async def _merged_events(self, request_id: str, plans: list[ChoicePlan], arrival_s: float) -> AsyncIterator[tuple[int, TokenEvent]]:
+        """Events of all choices, interleaved as they come; leaving early cancels (and so aborts) every choice."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(position: int, plan: ChoicePlan) -> None:
+            try:
+                choice_events = self.dispatcher.generate(f"{request_id}-{plan.index}", plan.prompt_token_ids, plan.sampling, arrival_s)
+                async with contextlib.aclosing(choice_events):
+                    async for event in choice_events:
+                        await queue.put((position, event))
+                await queue.put((position, None))
+            except APIError as error:
+                await queue.put((position, error))
+
+        tasks = [asyncio.create_task(pump(position, plan)) for position, plan in enumerate(plans)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                position, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, APIError):
+                    raise item
+                else:
+                    yield position, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _absorb(self, output: ChoiceOutput, event: TokenEvent, last_token_s: dict[int, float], arrival_s: float) -> None:
+        now = time.monotonic()
+        if event.token_ids:
+            previous = last_token_s.get(output.index)
+            if previous is None:
+                self.metrics.observe_ttft(now - arrival_s)
+            else:
+                for _ in event.token_ids:
+                    self.metrics.observe_itl((now - previous) / len(event.token_ids))
+            last_token_s[output.index] = now
+        output.text += event.text
+        output.token_ids.extend(event.token_ids)
+        if event.logprobs:
+            output.logprobs.extend(event.logprobs)
+        output.cached_tokens = max(output.cached_tokens, event.cached_tokens)
+        if event.finish_reason is not None:
+            output.finish_reason = event.finish_reason
+            output.error = event.error
+
+    async def _collect_unless_disconnected(self, outputs, events, http_request: Request, arrival_s: float) -> None:
+        last_token_s: dict[int, float] = {}
+
+        async def collect() -> None:
+            async with contextlib.aclosing(events):
+                async for position, event in events:
+                    self._absorb(outputs[position], event, last_token_s, arrival_s)
+
+        collector = asyncio.create_task(collect())
+        try:
+            while not collector.done():
+                await asyncio.wait({collector}, timeout=DISCONNECT_POLL_S)
+                if not collector.done() and await http_request.is_disconnected():
+                    self.metrics.count_request("client_disconnected")
+                    collector.cancel()
+                    await asyncio.gather(collector, return_exceptions=True)
+                    raise APIError(499, "client disconnected", code="client_disconnected")
+            collector.result()
+        finally:
+            if not collector.done():
+                collector.cancel()
+                await asyncio.gather(collector, return_exceptions=True)
+        self.metrics.observe_e2e(time.monotonic() - arrival_s)
+
+    async def _stream(self, builder: ResponseBuilder, outputs: list[ChoiceOutput], events, include_usage: bool, n: int,
+                      arrival_s: float) -> AsyncIterator[bytes]:
+        last_token_s: dict[int, float] = {}
+        status = "client_disconnected"  # unless the loop below reaches an end
+        try:
+            try:
+                async with contextlib.aclosing(events):  # leaving early must cancel (and abort) every choice now
+                    async for position, event in events:
+                        output = outputs[position]
+                        first = output.index not in last_token_s and not output.token_ids and not output.text
+                        text_offset = len(output.text)
+                        self._absorb(output, event, last_token_s, arrival_s)
+                        if event.finish_reason == "error":
+                            yield sse(APIError(502, f"the worker failed while generating: {event.error}", code="worker_error",
+                                               type="server_error").body())
+                            continue
+                        if event.token_ids or event.text or event.finish_reason is not None:
+                            yield builder.chunk(output, event.text, event.token_ids, event.logprobs, event.finish_reason,
+                                                first, text_offset)
+                status = "error" if any(o.finish_reason == "error" for o in outputs) else "ok"
+            except APIError as error:
+                status = "error"
+                yield sse(error.body())
+            if include_usage:
+                yield builder.usage_chunk(usage(outputs, n))
+            yield SSE_DONE
+            self.metrics.observe_e2e(time.monotonic() - arrival_s)
+        finally:
+            self.metrics.count_request(status)

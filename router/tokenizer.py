@@ -1,0 +1,83 @@
+"""Prompt tokenization in the router (so prefixes are matched on token ids): tokenizer.json through `tokenizers`,
+chat messages rendered with the model's Jinja chat template the way Hugging Face renders it."""
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from router.errors import bad_request
+
+
+class ChatTemplateError(Exception):
+    """Raised by a template's raise_exception(): the messages are not acceptable to this model."""
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+    # HF's tojson keeps non-ASCII text as is (jinja's default filter escapes it and HTML characters).
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _special_token_text(value: Any) -> str | None:
+    """tokenizer_config.json writes special tokens as a string or as an AddedToken dict with `content`."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class PromptTokenizer:
+    def __init__(self, model_dir: str) -> None:
+        directory = Path(model_dir)
+        self.tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        config_path = directory / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        self.bos_token = _special_token_text(config.get("bos_token"))
+        self.eos_token = _special_token_text(config.get("eos_token"))
+        template = config.get("chat_template")
+        template_file = directory / "chat_template.jinja"
+        if template is None and template_file.exists():
+            template = template_file.read_text()
+        if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self.chat_template = template
+        self._compiled = None
+        if template is not None:
+            environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            environment.filters["tojson"] = _tojson
+            environment.globals["raise_exception"] = _raise_exception
+            environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._compiled = environment.from_string(template)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
+        if self._compiled is None:
+            raise bad_request("this model has no chat template; use /v1/completions", param="messages")
+        try:
+            return self._compiled.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **template_kwargs,
+            )
+        except ChatTemplateError as error:
+            raise bad_request(f"chat template rejected the messages: {error}", param="messages") from None
+        except (TemplateError, TypeError, ValueError, KeyError) as error:
+            raise bad_request(f"chat template failed on the messages: {error}", param="messages") from None
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
+        # The template writes any BOS itself, so the tokenizer adds none (as HF's apply_chat_template does).
+        return self.encode(self.render_chat(messages, add_generation_prompt, **template_kwargs), add_special_tokens=False)

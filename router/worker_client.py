@@ -1,0 +1,108 @@
+"""The router's client for one worker's internal API (pdserve/worker/protocol.py): typed msgspec JSON over httpx."""
+
+from collections.abc import AsyncIterator
+from typing import TypeVar
+
+import httpx
+import msgspec
+
+from pdserve.worker.protocol import (
+    AbortRequest,
+    GenerateRequest,
+    KVEventBatch,
+    LoadReport,
+    TokenEvent,
+    WorkerHealth,
+    WorkerInfo,
+)
+
+T = TypeVar("T")
+
+
+class WorkerUnavailable(Exception):
+    """The worker could not be reached or answered with an error before streaming anything."""
+
+
+async def _ndjson_lines(response: httpx.Response) -> AsyncIterator[bytes]:
+    buffer = b""
+    async for chunk in response.aiter_bytes():
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            if line.strip():
+                yield line
+    if buffer.strip():
+        yield buffer
+
+
+class WorkerClient:
+    def __init__(self, url: str, http: httpx.AsyncClient, request_timeout_s: float = 1.0) -> None:
+        self.url = url.rstrip("/")
+        self._http = http
+        self._timeout_s = request_timeout_s
+
+    async def _get(self, path: str, message_type: type[T]) -> T:
+        try:
+            response = await self._http.get(self.url + path, timeout=self._timeout_s)
+            response.raise_for_status()
+        except httpx.HTTPError as error:
+            raise WorkerUnavailable(f"{self.url}{path}: {error!r}") from error
+        return msgspec.json.decode(response.content, type=message_type)
+
+    async def health(self) -> WorkerHealth:
+        return await self._get("/health", WorkerHealth)
+
+    async def info(self) -> WorkerInfo:
+        return await self._get("/internal/v1/info", WorkerInfo)
+
+    async def load(self) -> LoadReport:
+        return await self._get("/internal/v1/load", LoadReport)
+
+    async def abort(self, request_id: str) -> None:
+        try:
+            await self._http.post(
+                self.url + "/internal/v1/abort", content=msgspec.json.encode(AbortRequest(request_id)), timeout=self._timeout_s
+            )
+        except httpx.HTTPError:
+            pass  # the worker is gone or the request already finished: nothing left to abort
+
+    async def generate(self, request: GenerateRequest, first_token_timeout_s: float) -> AsyncIterator[TokenEvent]:
+        """Stream the request's TokenEvents. WorkerUnavailable before the first event means nothing was generated
+        (safe to retry elsewhere); a stream that ends without a finish_reason yields a final error event."""
+        timeout = httpx.Timeout(connect=self._timeout_s, read=first_token_timeout_s, write=10.0, pool=10.0)
+        body = msgspec.json.encode(request)
+        decoder = msgspec.json.Decoder(TokenEvent)
+        got_event = False
+        try:
+            async with self._http.stream(
+                "POST", self.url + "/internal/v1/generate", content=body, timeout=timeout,
+                headers={"content-type": "application/json"},
+            ) as response:
+                if response.status_code != 200:
+                    detail = (await response.aread())[:500].decode(errors="replace")
+                    raise WorkerUnavailable(f"{self.url} generate: HTTP {response.status_code}: {detail}")
+                async for line in _ndjson_lines(response):
+                    event = decoder.decode(line)
+                    got_event = True
+                    yield event
+                    if event.finish_reason is not None:
+                        return
+        except (httpx.HTTPError, msgspec.DecodeError) as error:
+            if not got_event:
+                raise WorkerUnavailable(f"{self.url} generate: {error!r}") from error
+            yield TokenEvent(request.request_id, [], finish_reason="error", error=f"worker stream broke: {error!r}")
+            return
+        if not got_event:
+            raise WorkerUnavailable(f"{self.url} generate: empty stream")
+        yield TokenEvent(request.request_id, [], finish_reason="error", error="worker stream ended without finishing")
+
+    async def kv_events(self, rank: int, after: int) -> AsyncIterator[KVEventBatch]:
+        """The rank's KV event batches from seq `after` + 1 (after=-1: a full dump first); runs until the stream ends."""
+        timeout = httpx.Timeout(connect=self._timeout_s, read=None, write=10.0, pool=10.0)
+        decoder = msgspec.json.Decoder(KVEventBatch)
+        async with self._http.stream(
+            "GET", self.url + "/internal/v1/kv_events", params={"rank": rank, "after": after}, timeout=timeout
+        ) as response:
+            response.raise_for_status()
+            async for line in _ndjson_lines(response):
+                yield decoder.decode(line)

@@ -1,0 +1,191 @@
+"""The router's view of its workers: info, polled load, health (eject a dead worker within seconds, re-admit it when
+it answers again) and one KV-event subscription per prefill rank feeding the prefix index.
+
+Everything here is rebuilt from the workers after a router restart: info and load by polling, the index from a full
+KV-event dump (subscribe with after=-1)."""
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import httpx
+
+from pdserve.worker.protocol import RankLoad, WorkerHealth, WorkerInfo
+from router.discovery import Discovery
+from router.metrics import RouterMetrics
+from router.prefix_index import PrefixIndex, RankKey
+from router.worker_client import WorkerClient, WorkerUnavailable
+
+logger = logging.getLogger(__name__)
+
+KV_RESUBSCRIBE_DELAY_S = 0.5
+
+
+@dataclass
+class WorkerState:
+    url: str
+    client: WorkerClient
+    info: WorkerInfo | None = None
+    health: WorkerHealth | None = None
+    admitted: bool = False  # passed a health check since its last ejection
+    consecutive_failures: int = 0
+    rank_loads: dict[int, RankLoad] = field(default_factory=dict)
+    assigned_since_poll: dict[int, int] = field(default_factory=dict)  # counted as waiting until the next poll
+    kv_tasks: list[asyncio.Task] = field(default_factory=list)
+
+    @property
+    def routable(self) -> bool:
+        return self.admitted and self.info is not None and self.health is not None and self.health.status == "ok"
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        discovery: Discovery,
+        http: httpx.AsyncClient,
+        index: PrefixIndex,
+        metrics: RouterMetrics,
+        health_interval_s: float,
+        health_timeout_s: float,
+        eject_after_failures: int,
+    ) -> None:
+        self._discovery = discovery
+        self._http = http
+        self._index = index
+        self._metrics = metrics
+        self._health_interval_s = health_interval_s
+        self._health_timeout_s = health_timeout_s
+        self._eject_after_failures = eject_after_failures
+        self.workers: dict[str, WorkerState] = {}
+        self._supervisor: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._supervisor = asyncio.create_task(self._supervise(), name="worker-pool")
+
+    async def close(self) -> None:
+        tasks = [t for w in self.workers.values() for t in w.kv_tasks]
+        if self._supervisor is not None:
+            tasks.append(self._supervisor)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # --- snapshots for routing -------------------------------------------------------------------------------------
+
+    def ranks_with_role(self, roles: tuple[str, ...]) -> list[RankKey]:
+        return [
+            (worker.url, rank.rank)
+            for worker in sorted(self.workers.values(), key=lambda w: w.url)
+            if worker.routable and worker.info.role in roles
+            for rank in worker.info.ranks
+        ]
+
+    def role_of(self, url: str) -> str | None:
+        worker = self.workers.get(url)
+        return worker.info.role if worker and worker.info else None
+
+    def loads(self) -> dict[RankKey, RankLoad]:
+        """Polled loads with the router's assignments since the poll added to `waiting`."""
+        snapshot = {}
+        for worker in self.workers.values():
+            for rank, load in worker.rank_loads.items():
+                extra = worker.assigned_since_poll.get(rank, 0)
+                snapshot[(worker.url, rank)] = RankLoad(
+                    rank, load.running, load.waiting + extra, load.free_pages, load.total_pages, load.prefix_cache_pages
+                )
+        return snapshot
+
+    def max_model_len(self) -> int | None:
+        lengths = [w.info.max_model_len for w in self.workers.values() if w.routable]
+        return min(lengths) if lengths else None
+
+    def client(self, url: str) -> WorkerClient:
+        return self.workers[url].client
+
+    def note_assignment(self, key: RankKey) -> None:
+        worker = self.workers.get(key[0])
+        if worker is not None:
+            worker.assigned_since_poll[key[1]] = worker.assigned_since_poll.get(key[1], 0) + 1
+
+    def report_failure(self, url: str) -> None:
+        """A request could not reach the worker: one failure towards ejection, as a failed health check."""
+        worker = self.workers.get(url)
+        if worker is not None:
+            self._fail(worker, "request failed")
+
+    # --- supervision -----------------------------------------------------------------------------------------------
+
+    async def _supervise(self) -> None:
+        while True:
+            self._sync_endpoints()
+            await asyncio.gather(*(self._check(w) for w in list(self.workers.values())), return_exceptions=True)
+            self._index.expire_pending()
+            self._metrics.set_healthy_workers(sum(w.routable for w in self.workers.values()))
+            await asyncio.sleep(self._health_interval_s)
+
+    def _sync_endpoints(self) -> None:
+        urls = {endpoint.url for endpoint in self._discovery.endpoints()}
+        for url in urls - self.workers.keys():
+            self.workers[url] = WorkerState(url, WorkerClient(url, self._http, self._health_timeout_s))
+        for url in self.workers.keys() - urls:
+            worker = self.workers.pop(url)
+            self._stop_kv_subscriptions(worker)
+            if worker.info is not None:
+                for rank in worker.info.ranks:
+                    self._index.remove_rank((url, rank.rank))
+
+    async def _check(self, worker: WorkerState) -> None:
+        try:
+            worker.health = await worker.client.health()
+            if worker.info is None:
+                worker.info = await worker.client.info()
+            load_report = await worker.client.load()
+        except (WorkerUnavailable, ValueError) as error:  # ValueError: msgspec could not decode the answer
+            self._fail(worker, str(error))
+            return
+        worker.rank_loads = {load.rank: load for load in load_report.ranks}
+        worker.assigned_since_poll = {}
+        worker.consecutive_failures = 0
+        if not worker.admitted:
+            worker.admitted = True
+            logger.info("worker %s admitted (%s, %d ranks)", worker.url, worker.info.role, len(worker.info.ranks))
+            self._start_kv_subscriptions(worker)
+
+    def _fail(self, worker: WorkerState, reason: str) -> None:
+        worker.consecutive_failures += 1
+        if worker.admitted and worker.consecutive_failures >= self._eject_after_failures:
+            logger.warning("worker %s ejected: %s", worker.url, reason)
+            worker.admitted = False
+            worker.info = None  # a worker that returns may have restarted with other settings
+            worker.rank_loads = {}
+            self._stop_kv_subscriptions(worker)
+            self._metrics.count_ejection(worker.url)
+
+    def _start_kv_subscriptions(self, worker: WorkerState) -> None:
+        if worker.info.role not in ("prefill", "both"):
+            return
+        for rank in worker.info.ranks:
+            key = (worker.url, rank.rank)
+            self._index.add_rank(key, rank.page_size)
+            self._index.mark_lost(key)  # (re)admitted: what it holds is unknown until a full dump
+            worker.kv_tasks.append(asyncio.create_task(self._follow_kv_events(worker, rank.rank), name=f"kv-{key}"))
+
+    def _stop_kv_subscriptions(self, worker: WorkerState) -> None:
+        for task in worker.kv_tasks:
+            task.cancel()
+        worker.kv_tasks = []
+
+    async def _follow_kv_events(self, worker: WorkerState, rank: int) -> None:
+        key = (worker.url, rank)
+        while True:
+            try:
+                batches = worker.client.kv_events(rank, self._index.subscribe_after(key))
+                async with contextlib.aclosing(batches):
+                    async for batch in batches:
+                        if not self._index.apply(key, batch):
+                            logger.info("KV event gap on %s; resyncing from a full dump", key)
+                            break
+            except (httpx.HTTPError, ValueError) as error:
+                logger.debug("KV event stream of %s broke: %r", key, error)
+            await asyncio.sleep(KV_RESUBSCRIBE_DELAY_S)

@@ -1,0 +1,60 @@
+"""Route choice for disaggregated and `both` workers, on a plain stub of the worker pool's snapshots."""
+
+from pdserve.cache.block_hash import prefix_page_hashes
+from pdserve.cache.events import KVEvent
+from pdserve.worker.protocol import KVEventBatch, Plan, PrefillSource
+from router.dispatch import Dispatcher
+from router.metrics import RouterMetrics
+from router.policies import make_policy
+from router.prefix_index import PrefixIndex
+
+
+class StubPool:
+    def __init__(self, roles: dict[str, tuple[str, int]]) -> None:
+        self.roles = roles  # url -> (role, number of ranks)
+
+    def ranks_with_role(self, roles):
+        return [(url, r) for url, (role, count) in sorted(self.roles.items()) if role in roles for r in range(count)]
+
+    def role_of(self, url):
+        return self.roles[url][0]
+
+    def loads(self):
+        return {}
+
+
+def dispatcher(pool, index=None, policy="prefix") -> Dispatcher:
+    return Dispatcher(pool, index or PrefixIndex(), make_policy(policy, 1.0, 0.5), RouterMetrics("tiny", policy),
+                      max_attempts=3, first_token_timeout_s=5, retry_after_s=1)
+
+
+def test_disaggregated_route_sends_to_decode_rank_with_the_prefill_rank_as_source():
+    pool = StubPool({"http://p": ("prefill", 2), "http://d": ("decode", 1)})
+    index = PrefixIndex()
+    for rank in (0, 1):
+        index.add_rank(("http://p", rank), 4)
+    prompt = list(range(32))
+    index.apply(("http://p", 1), KVEventBatch(1, 0, [KVEvent("cleared"), KVEvent("stored", prefix_page_hashes(prompt, 4))]))
+    route = dispatcher(pool, index).choose(prompt, excluded=set())
+    assert route.prefill == ("http://p", 1) and route.target == ("http://d", 0)
+    assert route.plan == Plan(kind="decode", prefill=PrefillSource(url="http://p", rank=1))
+    assert route.matched_tokens == 32
+
+
+def test_both_worker_gets_a_both_plan_on_its_own_rank():
+    route = dispatcher(StubPool({"http://b": ("both", 1)})).choose([1, 2, 3], excluded=set())
+    assert route.target == route.prefill == ("http://b", 0) and route.plan == Plan(kind="both")
+
+
+def test_prefill_workers_without_any_decode_worker_cannot_serve():
+    chooser = dispatcher(StubPool({"http://p": ("prefill", 1)}))
+    assert chooser.choose([1, 2, 3], excluded=set()) is None and not chooser.can_serve()
+
+
+def test_retry_excludes_ranks_already_tried():
+    pool = StubPool({"http://b1": ("both", 1), "http://b2": ("both", 1)})
+    chooser = dispatcher(pool, policy="round_robin")
+    first = chooser.choose([1], excluded=set())
+    second = chooser.choose([1], excluded={first.prefill})
+    assert second.prefill != first.prefill
+    assert chooser.choose([1], excluded={first.prefill, second.prefill}) is None

@@ -1,0 +1,82 @@
+from pdserve.cache.block_hash import prefix_page_hashes
+from pdserve.cache.events import KVEvent
+from pdserve.worker.protocol import KVEventBatch
+from router.prefix_index import PrefixIndex
+
+PAGE = 4
+RANK = ("http://w", 0)
+PROMPT = list(range(1, 18))  # 4 full pages + 1 token
+HASHES = prefix_page_hashes(PROMPT, PAGE)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def fresh_index(clock=None) -> PrefixIndex:
+    index = PrefixIndex(pending_ttl_s=5.0, clock=clock or FakeClock())
+    index.add_rank(RANK, PAGE)
+    index.apply(RANK, KVEventBatch(rank=0, seq=10, events=[KVEvent("cleared")]))  # the full dump: empty rank
+    return index
+
+
+def matched(index: PrefixIndex, prompt=PROMPT) -> int:
+    return index.matched_tokens([RANK], prompt)[RANK]
+
+
+def test_stored_events_give_the_contiguous_matched_prefix():
+    index = fresh_index()
+    index.apply(RANK, KVEventBatch(0, 11, [KVEvent("stored", HASHES[:3], parent_hash=0)]))
+    assert matched(index) == 3 * PAGE
+    assert matched(index, PROMPT[:9] + [999] * 8) == 2 * PAGE  # diverges inside page 3
+
+
+def test_removed_page_cuts_the_match_at_that_page():
+    index = fresh_index()
+    index.apply(RANK, KVEventBatch(0, 11, [KVEvent("stored", HASHES, parent_hash=0)]))
+    index.apply(RANK, KVEventBatch(0, 12, [KVEvent("removed", [HASHES[1]])]))
+    assert matched(index) == PAGE
+
+
+def test_own_assignment_counts_until_it_expires():
+    clock = FakeClock()
+    index = fresh_index(clock)
+    index.record_assignment(RANK, PROMPT)
+    assert matched(index) == 4 * PAGE
+    clock.now += 6.0
+    assert matched(index) == 0
+
+
+def test_seq_gap_empties_the_rank_and_asks_for_a_full_dump():
+    index = fresh_index()
+    index.apply(RANK, KVEventBatch(0, 11, [KVEvent("stored", HASHES, parent_hash=0)]))
+    assert index.apply(RANK, KVEventBatch(0, 13, [KVEvent("stored", [123])])) is False
+    assert matched(index) == 0 and index.subscribe_after(RANK) == -1
+    # Live batches before the dump are ignored; the dump (cleared + stored) restores the rank whatever its seq.
+    index.apply(RANK, KVEventBatch(0, 14, [KVEvent("stored", HASHES, parent_hash=0)]))
+    assert matched(index) == 0
+    dump = KVEventBatch(0, 20, [KVEvent("cleared"), KVEvent("stored", HASHES[:2], parent_hash=0)])
+    assert index.apply(RANK, dump) is True
+    assert matched(index) == 2 * PAGE and index.subscribe_after(RANK) == 20
+    index.apply(RANK, KVEventBatch(0, 21, [KVEvent("stored", HASHES[2:], parent_hash=HASHES[1])]))
+    assert matched(index) == 4 * PAGE
+
+
+def test_replayed_batches_are_not_applied_twice():
+    index = fresh_index()
+    index.apply(RANK, KVEventBatch(0, 11, [KVEvent("stored", HASHES, parent_hash=0)]))
+    index.apply(RANK, KVEventBatch(0, 12, [KVEvent("removed", HASHES)]))
+    assert index.apply(RANK, KVEventBatch(0, 11, [KVEvent("stored", HASHES, parent_hash=0)])) is True
+    assert matched(index) == 0
+
+
+def test_ranks_with_different_page_sizes_are_matched_with_their_own_hashes():
+    index = fresh_index()
+    other = ("http/other", 1)
+    index.add_rank(other, 8)
+    index.apply(other, KVEventBatch(1, 0, [KVEvent("cleared"), KVEvent("stored", prefix_page_hashes(PROMPT, 8))]))
+    assert index.matched_tokens([RANK, other], PROMPT) == {RANK: 0, other: 16}
