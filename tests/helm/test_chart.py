@@ -254,3 +254,9 @@ def test_every_value_in_values_yaml_has_a_comment() -> None:
             missing.append(f"line {number + 1}: {key}")
         documented_parents.append((indent, commented))
     assert not missing, missing
+
+
+def test_helm_lint_strict_finds_no_warnings_or_errors() -> None:
+    report = helm.lint(CHART_DIR, strict=True, kube_version="v1.29.0")
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
