@@ -1,0 +1,1 @@
+"""Tooling around the Helm chart: rendering it, the dashboards' metric names, Prometheus scrape configs."""

@@ -1,0 +1,130 @@
+{{/* Names, labels and pod-spec pieces shared by the router and worker templates. */}}
+
+{{- define "pdserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Object-name prefix; kept to 40 characters so pool and LWS pod names stay under 63. */}}
+{{- define "pdserve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "pdserve.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* Labels that select every pod of this release; the router's discovery selector starts with them. */}}
+{{- define "pdserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "pdserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "pdserve.labels" -}}
+{{ include "pdserve.selectorLabels" . }}
+helm.sh/chart: {{ include "pdserve.chart" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: pdserve
+{{- end }}
+
+{{/*
+The router lists pods matching this selector. Only serving worker pods carry pdserve.io/role, so the
+"exists" term keeps the router's own pods and multi-node follower pods out of discovery.
+*/}}
+{{- define "pdserve.discoverySelector" -}}
+{{- printf "app.kubernetes.io/instance=%s,app.kubernetes.io/name=%s,pdserve.io/role" .Release.Name (include "pdserve.name" .) }}
+{{- end }}
+
+{{- define "pdserve.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "pdserve.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* A pool's settings: poolDefaults overlaid with the pool's own keys. Call with (dict "root" $ "name" "prefill"). */}}
+{{- define "pdserve.pool" -}}
+{{- $pool := mergeOverwrite (deepCopy .root.Values.poolDefaults) (deepCopy (get .root.Values.pools .name)) }}
+{{- if $pool.multiNode.enabled }}
+{{- if ne (mod (int $pool.ranks) (int $pool.multiNode.nodes)) 0 }}
+{{- fail (printf "pools.%s: ranks (%v) must divide evenly among multiNode.nodes (%v)" .name $pool.ranks $pool.multiNode.nodes) }}
+{{- end }}
+{{- end }}
+{{- toYaml $pool }}
+{{- end }}
+
+{{/* GPUs one pod of a pool requests: all ranks, or its share when an instance spans several nodes. */}}
+{{- define "pdserve.gpusPerPod" -}}
+{{- if .multiNode.enabled }}{{ div (int .ranks) (int .multiNode.nodes) }}{{ else }}{{ .ranks }}{{ end }}
+{{- end }}
+
+{{/* Prometheus scrape annotations, used only when no Prometheus Operator is wanted. */}}
+{{- define "pdserve.scrapeAnnotations" -}}
+{{- if not .root.Values.monitoring.prometheusOperator.enabled }}
+prometheus.io/scrape: "true"
+prometheus.io/path: {{ .root.Values.monitoring.metricsPath | quote }}
+prometheus.io/port: {{ .port | quote }}
+{{- end }}
+{{- end }}
+
+{{/* Model volume, chosen by model.source. For "download" the init container fills an emptyDir. */}}
+{{- define "pdserve.modelVolume" -}}
+- name: model
+{{- if eq .Values.model.source "existingClaim" }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.existingClaim.claimName }}
+    readOnly: true
+{{- else if eq .Values.model.source "hostPath" }}
+  hostPath:
+    path: {{ .Values.model.hostPath.path }}
+    type: Directory
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ .Values.model.download.sizeLimit }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.modelVolumeMount" -}}
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: true
+{{- if and (eq .Values.model.source "existingClaim") .Values.model.existingClaim.subPath }}
+  subPath: {{ .Values.model.existingClaim.subPath }}
+{{- end }}
+{{- end }}
+
+{{/* Init container fetching the model; call with (dict "root" $ "files" "<files or empty>"). */}}
+{{- define "pdserve.modelDownloadInit" -}}
+{{- $d := .root.Values.model.download -}}
+- name: fetch-model
+  image: {{ $d.image }}
+  command: ["sh", "-ec", {{ $d.script | quote }}]
+  env:
+    - {name: MODEL_REPO, value: {{ $d.repo | quote }}}
+    - {name: MODEL_REVISION, value: {{ $d.revision | quote }}}
+    - {name: MODEL_FILES, value: {{ .files | quote }}}
+    - {name: MODEL_DIR, value: {{ .root.Values.model.mountPath | quote }}}
+    - {name: HOME, value: /tmp}
+    {{- if $d.tokenSecret }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef: {name: {{ $d.tokenSecret }}, key: HF_TOKEN}
+    {{- end }}
+  volumeMounts:
+    - name: model
+      mountPath: {{ .root.Values.model.mountPath }}
+{{- end }}
