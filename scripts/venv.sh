@@ -4,7 +4,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # shellcheck disable=SC1091
 source .venv/bin/activate
-if ! python -c "import pdserve, torch, transformers, nixl, ray" >/dev/null 2>&1; then
+if ! python -c "import pdserve, torch, transformers, nixl, ray, helm, kubernetes_validate" >/dev/null 2>&1; then
   echo "installing pdserve and its dependencies into .venv (first run only) ..." >&2
   python -m pip install -q --upgrade pip >/dev/null
   python -m pip install -q torch==2.13.0

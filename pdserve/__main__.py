@@ -1,0 +1,5 @@
+import sys
+
+from pdserve.cli.main import main
+
+sys.exit(main())

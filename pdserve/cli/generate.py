@@ -1,0 +1,43 @@
+"""`pdserve generate`: run prompts through the offline engine and print the completions."""
+
+import argparse
+import os
+from pathlib import Path
+
+from pdserve.engine.sampling_params import SamplingParams
+
+DEFAULT_PROMPTS = ["The quick brown fox", "Once upon a time", "A model that serves itself"]
+
+
+def default_model_dir() -> Path:
+    """The tiny model pdserve generates for itself when no --model is given (made once, then reused)."""
+    from pdserve.model.tiny import make_tiny_model
+
+    cache = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve")) / "tiny-v2"
+    if not (cache / "config.json").is_file():
+        make_tiny_model(cache, arch="v2", seed=0)
+    return cache
+
+
+def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("generate", help="generate completions offline (no server)")
+    parser.add_argument("--model", help="Hugging Face model directory (default: a generated tiny model)")
+    parser.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    parser.set_defaults(func=main_generate)
+
+
+def main_generate(args: argparse.Namespace) -> int:
+    from pdserve.engine.llm import LLM
+
+    model = args.model or str(default_model_dir())
+    llm = LLM(model, dtype=args.dtype)
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    prompts = args.prompt or DEFAULT_PROMPTS
+    for prompt, result in zip(prompts, llm.generate(prompts=prompts, sampling=sampling, progress=True)):
+        print(f"--- {prompt!r} -> [{result.finish_reason}, {len(result.token_ids)} tokens]\n{prompt}{result.text}")
+    return 0

@@ -1,0 +1,28 @@
+"""The `pdserve` command: one subcommand per process or tool."""
+
+import argparse
+import logging
+import sys
+
+from pdserve.cli.generate import add_generate_parser
+from pdserve.cli.make_tiny_model import add_make_tiny_model_parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default) or ERROR")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    add_generate_parser(subparsers)
+    add_make_tiny_model_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format='{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}')
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""One DP rank's engine: admits requests, steps the model under continuous batching, and reports what each step made."""
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.cache.events import KVEvent
+from pdserve.cache.page_allocator import PageAllocator
+from pdserve.cache.radix_cache import RadixCache
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampler import sample
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.model.config import ModelConfig
+from pdserve.model.deepseek import ExpertRange
+from pdserve.model.loader import load_model
+from pdserve.model.tokenizer import load_prompt_encoder
+from pdserve.ops.select import select_backends
+
+log = logging.getLogger(__name__)
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine cannot run as given (empty prompt, too long, unknown token id...)."""
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (a delta)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float] | None
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    free_pages: int
+    total_pages: int
+    prefix_cache_pages: int
+    prefix_queries_tokens: int
+    prefix_hits_tokens: int
+    prompt_tokens: int
+    generation_tokens: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, experts: ExpertRange | None = None,
+                 on_kv_events: Callable[[list[KVEvent]], None] | None = None):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.model_config = ModelConfig.from_dir(cfg.model)
+        self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
+        backends = select_backends(cfg.attention_backend, cfg.moe_backend, self.device)
+        model = load_model(cfg.model, self.model_config, backends, self.device, self.dtype, experts, cfg.progress)
+        num_pages = cfg.num_pages or self._pages_that_fit()
+        self.runner = ModelRunner(model, num_pages, cfg.page_size, self.device, self.dtype)
+        self.allocator = PageAllocator(num_pages)
+        self.prefix_cache = RadixCache(self.allocator, cfg.page_size, on_kv_events) if cfg.enable_prefix_cache else None
+        self.scheduler = Scheduler(
+            SchedulerConfig(cfg.page_size, cfg.max_num_seqs, cfg.max_num_batched_tokens), self.allocator,
+            self.prefix_cache,
+        )
+        self.prompt_encoder = load_prompt_encoder(cfg.model, self.model_config.bos_token_id)
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._seed_source = torch.Generator().manual_seed(cfg.seed)
+        self._prefix_queries_tokens = self._prefix_hits_tokens = 0
+        self._prompt_tokens = self._generation_tokens = 0
+        log.info("engine ready: %s pages of %s tokens on %s (%s)", num_pages, cfg.page_size, self.device, self.dtype)
+
+    def _pages_that_fit(self) -> int:
+        mc = self.model_config
+        page_bytes = mc.num_hidden_layers * self.cfg.page_size * mc.kv_dim * torch.finfo(self.dtype).bits // 8
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - self.cfg.gpu_memory_fraction) * total
+        else:
+            budget = self.cfg.kv_cache_memory_gb * 2**30
+        return max(2, int(budget // page_bytes))
+
+    # --- requests -------------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> Request:
+        request = self._new_request(request_id, prompt_token_ids, sampling)
+        self.scheduler.add(request)
+        return request
+
+    def _new_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> Request:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        if bad := [t for t in prompt_token_ids if not 0 <= t < vocab]:
+            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt_token_ids)} tokens; the context is {self.max_model_len}, leaving no room to generate"
+            )
+        longest = min(len(prompt_token_ids) + sampling.max_tokens, self.max_model_len)
+        if -(-longest // self.cfg.page_size) > self.allocator.num_pages:
+            raise InvalidRequestError(
+                f"request may reach {longest} tokens, more than the KV pool holds "
+                f"({self.allocator.num_pages} pages of {self.cfg.page_size}); lower max_tokens"
+            )
+        if sampling.stop and self.prompt_encoder is None:
+            raise InvalidRequestError("stop strings need a tokenizer.json in the model directory")
+        seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        request = Request(request_id, list(prompt_token_ids), sampling, generator)
+        self.requests[request_id] = request
+        if self.prompt_encoder is not None:
+            self.detokenizers[request_id] = IncrementalDetokenizer(
+                self.prompt_encoder.tokenizer, request.prompt_token_ids, sampling.stop
+            )
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self.scheduler.finish(request, "abort")
+        self._forget(request)
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            free_pages=self.allocator.num_free,
+            total_pages=self.allocator.num_pages,
+            prefix_cache_pages=self.prefix_cache.num_cached_pages if self.prefix_cache else 0,
+            prefix_queries_tokens=self._prefix_queries_tokens,
+            prefix_hits_tokens=self._prefix_hits_tokens,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+        )
+
+    # --- the step -------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        logits = self.runner.execute(scheduled)
+        self.scheduler.advance(scheduled)
+        sampling_seqs = [seq.request for seq in scheduled if seq.request.num_pending_tokens == 0]
+        if not sampling_seqs:
+            return []
+        result = sample(
+            logits,
+            [r.sampling for r in sampling_seqs],
+            [r.generator for r in sampling_seqs],
+            [self._banned_ids(r) for r in sampling_seqs],
+        )
+        outputs = []
+        for i, request in enumerate(sampling_seqs):
+            logprob = result.logprobs[i] if result.logprobs is not None and request.sampling.logprobs else None
+            outputs.append(self._append_token(request, result.token_ids[i], logprob))
+        return outputs
+
+    def _banned_ids(self, request: Request) -> list[int]:
+        if len(request.output_token_ids) >= request.sampling.min_tokens:
+            return []
+        eos = [] if request.sampling.ignore_eos else list(self.model_config.eos_token_ids)
+        return eos + list(request.sampling.stop_token_ids)
+
+    def _append_token(self, request: Request, token_id: int, logprob: float | None) -> RequestOutput:
+        if not request.output_token_ids:
+            self._prefix_queries_tokens += len(request.prompt_token_ids)
+            self._prefix_hits_tokens += request.num_cached_tokens
+            self._prompt_tokens += len(request.prompt_token_ids)
+        self._generation_tokens += 1
+        request.output_token_ids.append(token_id)
+        if logprob is not None:
+            request.output_logprobs.append(logprob)
+        sampling = request.sampling
+        text, stop_hit = "", False
+        detokenizer = self.detokenizers.get(request.request_id)
+        if detokenizer is not None:
+            text, stop_hit = detokenizer.push([token_id])
+        finish_reason = None
+        if stop_hit:
+            finish_reason = "stop"
+        elif not sampling.ignore_eos and token_id in self.model_config.eos_token_ids:
+            finish_reason = "stop"
+        elif token_id in sampling.stop_token_ids:
+            finish_reason = "stop"
+        elif len(request.output_token_ids) >= sampling.max_tokens or request.num_tokens >= self.max_model_len:
+            finish_reason = "length"
+        if finish_reason is not None:
+            if detokenizer is not None and not stop_hit:
+                text += detokenizer.flush()
+            self.scheduler.finish(request, finish_reason)
+            self._forget(request)
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=[token_id],
+            new_logprobs=[logprob] if logprob is not None else None,
+            text=text,
+            finish_reason=finish_reason,
+            prompt_tokens=len(request.prompt_token_ids),
+            cached_tokens=request.num_cached_tokens,
+        )
+
+    def _forget(self, request: Request) -> None:
+        if not request.keep_pages_on_finish:
+            self.requests.pop(request.request_id, None)
+        self.detokenizers.pop(request.request_id, None)
+        assert request.status is RequestStatus.FINISHED

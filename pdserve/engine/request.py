@@ -1,0 +1,50 @@
+"""One request's state inside a rank's engine."""
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    generator: torch.Generator
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    page_ids: list[int] = field(default_factory=list)  # pages holding this request's KV, in order
+    num_computed_tokens: int = 0  # tokens whose KV is in page_ids
+    num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache at first admission
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    arrival_s: float = field(default_factory=time.monotonic)
+    num_preemptions: int = 0
+    keep_pages_on_finish: bool = False  # prefill-only: pages live on until the KV transfer releases them
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens whose KV must be computed before the next token can be sampled."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_pending_tokens > 1

@@ -1,0 +1,208 @@
+"""DeepSeek-V2/V3 decoder: MLA attention over a paged latent cache, dense MLP or MoE, on a flat batch of tokens.
+
+Parameter names follow the Hugging Face checkpoints, except routed experts, which are stacked per layer
+(`mlp.experts.w13` = gate and up, `mlp.experts.w2` = down) and hold only this rank's experts.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.model.config import ModelConfig
+from pdserve.model.rope import RotaryEmbedding
+from pdserve.ops.attention import AttentionBackend, AttentionBatch
+from pdserve.ops.moe import MoEBackend
+
+
+@dataclass(frozen=True)
+class Backends:
+    attention: AttentionBackend
+    moe: MoEBackend
+
+
+@dataclass(frozen=True)
+class ExpertRange:
+    """The routed experts this rank holds: [first, first + count)."""
+
+    first: int
+    count: int
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def _linear(in_features: int, out_features: int) -> nn.Linear:
+    return nn.Linear(in_features, out_features, bias=False)
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        heads, qk_dim = cfg.num_attention_heads, cfg.qk_head_dim
+        if cfg.q_lora_rank is None:
+            self.q_proj = _linear(cfg.hidden_size, heads * qk_dim)
+        else:
+            self.q_a_proj = _linear(cfg.hidden_size, cfg.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = _linear(cfg.q_lora_rank, heads * qk_dim)
+        self.kv_a_proj_with_mqa = _linear(cfg.hidden_size, cfg.kv_dim)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = _linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        self.o_proj = _linear(heads * cfg.v_head_dim, cfg.hidden_size)
+
+    def forward(self, x, cos, sin, rope: RotaryEmbedding, kv_cache, batch: AttentionBatch, backend: AttentionBackend):
+        cfg = self.cfg
+        heads, nope, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        if cfg.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(-1, heads, cfg.qk_head_dim)
+        q_nope, q_pe = q[..., :nope], q[..., nope:]
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([rank, cfg.qk_rope_head_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        q_pe = rope.apply(q_pe, cos, sin)
+        k_pe = rope.apply(k_pe, cos, sin)
+        # Absorb W_UK into the query and W_UV into the output so attention works on latents only.
+        w_kv_b = self.kv_b_proj.weight.view(heads, nope + cfg.v_head_dim, rank)
+        q_latent = torch.einsum("thd,hdr->thr", q_nope, w_kv_b[:, :nope])
+        out_latent = backend.forward(q_latent, q_pe, latent, k_pe, kv_cache, batch, cfg.softmax_scale)
+        out = torch.einsum("thr,hvr->thv", out_latent, w_kv_b[:, nope:])
+        return self.o_proj(out.reshape(x.shape[0], heads * cfg.v_head_dim))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = _linear(hidden, inter)
+        self.up_proj = _linear(hidden, inter)
+        self.down_proj = _linear(inter, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TopkRouter(nn.Module):
+    """Chooses each token's experts: V2 softmax (greedy or group-limited), V3 sigmoid with bias-corrected groups."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        if cfg.scoring_func == "sigmoid":
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        logits = F.linear(x.to(torch.float32), self.weight.to(torch.float32))
+        if cfg.scoring_func == "softmax":
+            scores = logits.softmax(dim=-1)
+            choice_scores = scores
+            if cfg.topk_method == "group_limited_greedy":
+                group_scores = scores.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group).amax(dim=-1)
+                choice_scores = scores.masked_fill(~self._group_mask(group_scores), 0.0)
+        else:
+            scores = logits.sigmoid()
+            biased = scores + self.e_score_correction_bias
+            group_scores = biased.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group).topk(2, dim=-1)[0].sum(-1)
+            choice_scores = biased.masked_fill(~self._group_mask(group_scores), float("-inf"))
+        topk_ids = torch.topk(choice_scores, k=cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
+        topk_weights = scores.gather(1, topk_ids)
+        if cfg.norm_topk_prob:
+            topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return topk_ids, topk_weights * cfg.routed_scaling_factor
+
+    def _group_mask(self, group_scores: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        top_groups = torch.topk(group_scores, k=cfg.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
+        return group_mask.repeat_interleave(cfg.n_routed_experts // cfg.n_group, dim=1)
+
+
+class RoutedExperts(nn.Module):
+    def __init__(self, cfg: ModelConfig, experts: ExpertRange):
+        super().__init__()
+        self.experts = experts
+        inter = cfg.moe_intermediate_size
+        self.w13 = nn.Parameter(torch.empty(experts.count, 2 * inter, cfg.hidden_size))
+        self.w2 = nn.Parameter(torch.empty(experts.count, cfg.hidden_size, inter))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, experts: ExpertRange):
+        super().__init__()
+        self.gate = TopkRouter(cfg)
+        self.experts = RoutedExperts(cfg, experts)
+        self.shared_experts = (
+            DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        )
+
+    def forward(self, x: torch.Tensor, backend: MoEBackend) -> torch.Tensor:
+        topk_ids, topk_weights = self.gate(x)
+        routed = self.experts
+        out = backend.forward(x, topk_ids, topk_weights, routed.w13, routed.w2, routed.experts.first)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, experts: ExpertRange):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.is_moe = cfg.is_moe_layer(layer_idx)
+        self.mlp = MoE(cfg, experts) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, rope, kv_cache, batch: AttentionBatch, backends: Backends):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, rope, kv_cache, batch, backends.attention)
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, backends.moe) if self.is_moe else self.mlp(h))
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, experts: ExpertRange):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, experts) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, backends: Backends, experts: ExpertRange | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.backends = backends
+        self.expert_range = experts or ExpertRange(0, cfg.n_routed_experts)
+        self.model = DeepseekModel(cfg, self.expert_range)
+        self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size)
+        self.rope: RotaryEmbedding | None = None  # built on the final device by init_rope()
+
+    def init_rope(self, device: torch.device) -> None:
+        self.rope = RotaryEmbedding(self.cfg.rope, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, batch: AttentionBatch):
+        """input_ids/positions [T]; kv_cache [layers, pages, page_size, kv_dim]. Returns final hidden states [T, D]."""
+        assert self.rope is not None, "call init_rope() after moving the model to its device"
+        cos, sin = self.rope.cos_sin(positions)
+        x = self.model.embed_tokens(input_ids)
+        for layer_idx, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, self.rope, kv_cache[layer_idx], batch, self.backends)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).to(torch.float32)

@@ -1,0 +1,152 @@
+"""Engine behaviour on a tiny model: caching, chunking, preemption and batching never change greedy tokens;
+sampling, stops and limits end generation where they should."""
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.engine import InvalidRequestError
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def prompts_of(lengths, vocab=512, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_v3):
+    """Greedy tokens for a mixed batch, one prompt at a time, no prefix cache, no chunking."""
+    prompts = prompts_of((3, 40, 77, 150, 201))
+    llm = LLM(tiny_v3, progress=False, enable_prefix_cache=False)
+    return prompts, [llm.generate(prompt_token_ids=[p], sampling=GREEDY)[0].token_ids for p in prompts]
+
+
+def test_batch_gives_same_tokens_as_one_at_a_time(tiny_v3, reference):
+    prompts, expected = reference
+    results = LLM(tiny_v3, progress=False, enable_prefix_cache=False).generate(prompt_token_ids=prompts, sampling=GREEDY)
+    assert [r.token_ids for r in results] == expected
+
+
+def test_prefix_hit_gives_same_tokens_as_miss(tiny_v3, reference):
+    prompts, expected = reference
+    llm = LLM(tiny_v3, progress=False)
+    first = llm.generate(prompt_token_ids=prompts, sampling=GREEDY)
+    second = llm.generate(prompt_token_ids=prompts, sampling=GREEDY)
+    assert [r.token_ids for r in first] == [r.token_ids for r in second] == expected
+    assert sum(r.cached_tokens for r in first) == 0
+    assert [r.cached_tokens for r in second] == [(len(p) - 1) // 16 * 16 for p in prompts]
+
+
+def test_chunked_prefill_with_small_budget_gives_same_tokens(tiny_v3, reference):
+    prompts, expected = reference
+    llm = LLM(tiny_v3, progress=False, max_num_batched_tokens=13)
+    assert [r.token_ids for r in llm.generate(prompt_token_ids=prompts, sampling=GREEDY)] == expected
+
+
+def test_preemption_in_a_small_pool_gives_same_tokens_and_frees_every_page(tiny_v3, reference):
+    prompts, expected = reference
+    llm = LLM(tiny_v3, progress=False, num_pages=16, page_size=16)  # 256 slots, the batch needs ~600
+    results = llm.generate(prompt_token_ids=prompts, sampling=GREEDY)
+    assert [r.token_ids for r in results] == expected
+    engine = llm.engine
+    assert engine.allocator.num_free + engine.prefix_cache.num_cached_pages == engine.allocator.num_pages
+    engine.prefix_cache.evict(engine.allocator.num_pages)
+    assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+def test_preemption_happens_in_a_small_pool(tiny_v3):
+    llm = LLM(tiny_v3, progress=False, num_pages=16, page_size=16, enable_prefix_cache=False)
+    engine = llm.engine
+    for i, prompt in enumerate(prompts_of((60, 60, 60))):  # 4 pages each to start, 6 at the end
+        engine.add_request(str(i), prompt, GREEDY)
+    preempted = 0
+    for _ in range(500):
+        if not engine.has_work():
+            break
+        engine.step()
+        preempted = max(preempted, sum(r.num_preemptions for r in engine.requests.values()))
+    assert not engine.has_work()
+    assert preempted > 0
+    assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ(tiny_v2):
+    llm = LLM(tiny_v2, progress=False)
+    prompt = prompts_of((20,))[0]
+    params = [SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=s, ignore_eos=True) for s in (1, 1, 2)]
+    a, b, c = llm.generate(prompt_token_ids=[prompt] * 3, sampling=params)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+    again = llm.generate(prompt_token_ids=[prompt], sampling=params[0])[0]
+    assert again.token_ids == a.token_ids
+
+
+def test_stop_token_id_ends_generation_on_that_token(tiny_v2):
+    llm = LLM(tiny_v2, progress=False)
+    prompt = prompts_of((10,))[0]
+    free = llm.generate(prompt_token_ids=[prompt], sampling=GREEDY)[0].token_ids
+    stop_id = free[5]
+    first = free.index(stop_id)
+    stopped = llm.generate(prompt_token_ids=[prompt],
+                           sampling=SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                                   stop_token_ids=[stop_id]))[0]
+    assert stopped.token_ids == free[: first + 1]
+    assert stopped.finish_reason == "stop"
+
+
+def test_stop_string_cuts_text_before_it(tiny_v2):
+    llm = LLM(tiny_v2, progress=False)
+    free = llm.generate(prompts=["The quick brown fox"], sampling=GREEDY)[0]
+    assert len(free.text) > 6
+    stop = free.text[3:6]
+    stopped = llm.generate(prompts=["The quick brown fox"],
+                           sampling=SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == free.text[: free.text.index(stop)]
+    assert len(stopped.token_ids) < len(free.token_ids)
+
+
+def test_max_tokens_and_min_tokens_bound_the_output(tiny_v2):
+    llm = LLM(tiny_v2, progress=False)
+    eos = llm.engine.model_config.eos_token_ids[0]
+    prompt = prompts_of((10,))[0]
+    out = llm.generate(prompt_token_ids=[prompt], sampling=SamplingParams(max_tokens=5, temperature=0.0))[0]
+    assert len(out.token_ids) <= 5
+    forced = llm.generate(prompt_token_ids=[prompt], sampling=SamplingParams(
+        max_tokens=12, min_tokens=12, temperature=0.0, stop_token_ids=[eos]))[0]
+    assert len(forced.token_ids) == 12 and eos not in forced.token_ids and forced.finish_reason == "length"
+
+
+def test_logprobs_are_returned_for_each_token(tiny_v2):
+    llm = LLM(tiny_v2, progress=False)
+    out = llm.generate(prompt_token_ids=prompts_of((8,)), sampling=SamplingParams(
+        max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True))[0]
+    assert len(out.logprobs) == 6 and all(lp <= 0.0 for lp in out.logprobs)
+
+
+def test_abort_frees_the_request_pages(tiny_v2):
+    llm = LLM(tiny_v2, progress=False, enable_prefix_cache=False)
+    engine = llm.engine
+    engine.add_request("a", prompts_of((50,))[0], GREEDY)
+    engine.step()
+    assert engine.allocator.num_free < engine.allocator.num_pages
+    assert engine.abort("a")
+    assert engine.allocator.num_free == engine.allocator.num_pages
+    assert not engine.has_work()
+
+
+@pytest.mark.parametrize("bad, message", [
+    ([], "empty"), ([10**6], "vocabulary"), ([5] * 5000, "context"),
+])
+def test_bad_prompts_are_rejected_with_a_clear_error(tiny_v2, bad, message):
+    llm = LLM(tiny_v2, progress=False, max_model_len=4096)
+    with pytest.raises(InvalidRequestError, match=message):
+        llm.generate(prompt_token_ids=[bad], sampling=GREEDY)
+
+
+def test_request_larger_than_the_pool_is_rejected(tiny_v2):
+    llm = LLM(tiny_v2, progress=False, num_pages=4, page_size=16)
+    with pytest.raises(InvalidRequestError, match="KV pool"):
+        llm.generate(prompt_token_ids=prompts_of((60,)), sampling=GREEDY)
