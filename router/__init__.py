@@ -1,6 +1,6 @@
 """The router: OpenAI API in front of the workers (see docs/router.md).
 
-app.py (HTTP edge) -> serving.py (one request) -> dispatch.py (route, send, retry, abort) -> worker_client.py;
+app.py (HTTP edge) -> serving.py (one request) -> dispatch.py (route, send, retry, abort) -> pdserve.worker.client;
 policies.py (pure routing), prefix_index.py (what each prefill rank caches), workers.py (health, load, KV events),
 discovery.py (where workers are), tokenizer.py, openai_schema.py, responses.py, admission.py, metrics.py, config.py.
 """

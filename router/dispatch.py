@@ -16,7 +16,7 @@ from router.errors import APIError
 from router.metrics import RouterMetrics
 from router.policies import Policy, RoutingRequest, choose_decode
 from router.prefix_index import PrefixIndex, RankKey
-from router.worker_client import WorkerUnavailable
+from pdserve.worker.client import WorkerUnavailable
 from router.workers import WorkerPool
 
 logger = logging.getLogger(__name__)

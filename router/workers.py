@@ -15,7 +15,7 @@ from pdserve.worker.protocol import RankLoad, WorkerHealth, WorkerInfo
 from router.discovery import Discovery
 from router.metrics import RouterMetrics
 from router.prefix_index import PrefixIndex, RankKey
-from router.worker_client import WorkerClient, WorkerUnavailable
+from pdserve.worker.client import WorkerClient, WorkerUnavailable
 
 logger = logging.getLogger(__name__)
 

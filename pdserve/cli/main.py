@@ -6,6 +6,9 @@ import sys
 
 from pdserve.cli.generate import add_generate_parser
 from pdserve.cli.make_tiny_model import add_make_tiny_model_parser
+from pdserve.cli.router import add_router_parser
+from pdserve.cli.up import add_up_parser
+from pdserve.cli.worker import add_worker_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,6 +17,9 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(subparsers)
     add_make_tiny_model_parser(subparsers)
+    add_worker_parser(subparsers)
+    add_router_parser(subparsers)
+    add_up_parser(subparsers)
     return parser
 
 

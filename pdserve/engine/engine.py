@@ -2,7 +2,7 @@
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 
 class InvalidRequestError(ValueError):
     """A request the engine cannot run as given (empty prompt, too long, unknown token id...)."""
+
+
+class NoCapacityError(RuntimeError):
+    """The rank cannot take the request now (its KV pool is full); another rank or a retry may."""
 
 
 @dataclass
@@ -139,13 +143,53 @@ class Engine:
             )
         return request
 
+    # --- disaggregation: a prefill rank keeps a finished prompt's pages for the transfer; a decode rank
+    # reserves pages, lets the prefill rank fill them, then decodes from the first token it sampled.
+    def add_prefill_only(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> Request:
+        request = self._new_request(request_id, prompt_token_ids, replace(sampling, max_tokens=1, stop=[]))
+        request.keep_pages_on_finish = True
+        self.scheduler.add(request)
+        return request
+
+    def release(self, request_id: str) -> None:
+        """Free the pages a finished prefill-only request kept for its transfer."""
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self.scheduler.release_kept_pages(request)
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> Request:
+        """Pages for the whole prompt, to be written by a prefill rank; raises NoCapacityError if the pool is full."""
+        request = self._new_request(request_id, prompt_token_ids, sampling)
+        num_pages = -(-len(prompt_token_ids) // self.cfg.page_size)
+        pages = self.allocator.alloc(num_pages)
+        if pages is None and self.prefix_cache is not None:
+            self.prefix_cache.evict(num_pages - self.allocator.num_free)
+            pages = self.allocator.alloc(num_pages)
+        if pages is None:
+            self._forget_unstarted(request)
+            raise NoCapacityError(f"no room for {num_pages} pages ({self.allocator.num_free} free)")
+        request.page_ids = pages
+        return request
+
+    def start_decoding(self, request_id: str, first_token_id: int, first_logprob: float | None) -> RequestOutput:
+        """The reserved pages now hold the prompt's KV: decode on from the prefill rank's first token."""
+        request = self.requests[request_id]
+        request.num_computed_tokens = len(request.prompt_token_ids)
+        self.scheduler.add_running(request)
+        return self._append_token(request, first_token_id, first_logprob)
+
     def abort(self, request_id: str) -> bool:
         request = self.requests.get(request_id)
         if request is None:
             return False
+        request.keep_pages_on_finish = False
         self.scheduler.finish(request, "abort")
         self._forget(request)
         return True
+
+    def _forget_unstarted(self, request: Request) -> None:
+        self.requests.pop(request.request_id, None)
+        self.detokenizers.pop(request.request_id, None)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work

@@ -1,4 +1,4 @@
-"""The router's client for one worker's internal API (pdserve/worker/protocol.py): typed msgspec JSON over httpx."""
+"""Client of a worker's internal API (pdserve/worker/protocol.py): typed msgspec JSON over httpx; used by the router and by decode workers calling prefill workers."""
 
 from collections.abc import AsyncIterator
 from typing import TypeVar

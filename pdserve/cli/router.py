@@ -1,0 +1,23 @@
+"""`pdserve router`: the OpenAI-compatible front door."""
+
+import argparse
+
+
+def add_router_parser(subparsers: argparse._SubParsersAction) -> None:
+    from router.config import add_router_arguments
+
+    parser = subparsers.add_parser("router", help="run the OpenAI-compatible router")
+    add_router_arguments(parser)
+    parser.set_defaults(func=main_router)
+
+
+def main_router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from router.app import build_router_app
+    from router.config import router_config_from_args
+
+    config = router_config_from_args(args)
+    print(f"pdserve router: serving {config.model_name} on http://{config.host}:{config.port}", flush=True)
+    uvicorn.run(build_router_app(config), host=config.host, port=config.port, log_level="warning")
+    return 0

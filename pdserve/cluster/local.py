@@ -1,0 +1,172 @@
+"""A whole pdserve cluster on this machine: one Ray instance, prefill/decode (or colocated) worker processes and a
+router, each a real process on 127.0.0.1. Used by `pdserve up`, the tests and the benchmarks."""
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import ray
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    model: str
+    port: int = 8000  # the router's; 0 picks a free one
+    num_prefill: int = 1
+    num_decode: int = 1
+    num_both: int = 0  # colocated workers (role both); with num_prefill = num_decode = 0 the cluster is colocated
+    ranks_per_worker: int = 1
+    routing: str = "prefix"
+    worker_args: tuple[str, ...] = ()  # extra `pdserve worker` flags
+    router_args: tuple[str, ...] = ()
+    start_timeout_s: float = 300.0
+    log_dir: str | None = None  # each process's output goes to a file here (default: a temp dir)
+
+
+@dataclass
+class ProcessInfo:
+    name: str
+    url: str
+    command: list[str]
+    process: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+
+@dataclass
+class LocalCluster:
+    cfg: ClusterConfig
+    workers: list[ProcessInfo] = field(default_factory=list)
+    router: ProcessInfo | None = None
+    ray_address: str = ""
+    _log_dir: Path | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.router is not None
+        return self.router.url
+
+    def start(self) -> "LocalCluster":
+        cfg = self.cfg
+        self._log_dir = Path(cfg.log_dir or os.environ.get("TMPDIR", "/tmp")) / f"pdserve-{os.getpid()}-{free_port()}"
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        if not ray.is_initialized():
+            ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
+                     logging_level=logging.WARNING, namespace="pdserve")
+        self.ray_address = ray.get_runtime_context().gcs_address
+        roles = ["prefill"] * cfg.num_prefill + ["decode"] * cfg.num_decode + ["both"] * cfg.num_both
+        counts: dict[str, int] = {}
+        for role in roles:
+            index = counts[role] = counts.get(role, -1) + 1
+            self.workers.append(self._spawn(f"{role}-{index}", [
+                "worker", "--role", role, "--ranks", str(cfg.ranks_per_worker), "--model", cfg.model,
+                "--ray-address", self.ray_address, *cfg.worker_args,
+            ]))
+        deadline = time.monotonic() + cfg.start_timeout_s
+        for worker in self.workers:
+            self._wait_healthy(worker, deadline)
+        router_port = cfg.port or free_port()
+        self.router = self._spawn("router", [
+            "router", "--model", cfg.model, "--workers", ",".join(w.url for w in self.workers),
+            "--routing", cfg.routing, *cfg.router_args,
+        ], port=router_port)
+        self._wait_healthy(self.router, deadline)
+        self._wait_routable(deadline)
+        return self
+
+    def _spawn(self, name: str, args: list[str], port: int | None = None) -> ProcessInfo:
+        port = port or free_port()
+        command = [sys.executable, "-m", "pdserve", *args, "--host", "127.0.0.1", "--port", str(port)]
+        info = ProcessInfo(name, f"http://127.0.0.1:{port}", command)
+        return self._launch(info)
+
+    def _launch(self, info: ProcessInfo) -> ProcessInfo:
+        assert self._log_dir is not None
+        info.log_path = self._log_dir / f"{info.name}.log"
+        with open(info.log_path, "ab") as log_file:
+            info.process = subprocess.Popen(info.command, stdout=log_file, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+        return info
+
+    def _wait_healthy(self, info: ProcessInfo, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            assert info.process is not None
+            if info.process.poll() is not None:
+                raise RuntimeError(f"{info.name} exited with {info.process.returncode}; log: {info.log_path}\n"
+                                   + self.log_tail(info))
+            try:
+                if httpx.get(info.url + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"{info.name} not healthy within {self.cfg.start_timeout_s} s; log: {info.log_path}")
+
+    def _wait_routable(self, deadline: float) -> None:
+        """The router has learned every worker (health-checked and read their info)."""
+        while time.monotonic() < deadline:
+            try:
+                models = httpx.get(self.url + "/v1/models", timeout=1.0)
+                seen = httpx.get(self.url + "/health", timeout=1.0).json().get("workers", {})
+                if models.status_code == 200 and sum(state == "ok" for state in seen.values()) >= len(self.workers):
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.25)
+        raise TimeoutError("router did not see its workers in time")
+
+    def log_tail(self, info: ProcessInfo, lines: int = 30) -> str:
+        if info.log_path is None or not info.log_path.exists():
+            return ""
+        return "\n".join(info.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def kill(self, info: ProcessInfo, sig: int = signal.SIGKILL) -> None:
+        """Kill one process (and the processes it started) as a fault would."""
+        if info.process is not None and info.process.poll() is None:
+            os.killpg(info.process.pid, sig)
+            info.process.wait(timeout=30)
+
+    def restart(self, info: ProcessInfo, timeout_s: float = 300.0) -> None:
+        self.kill(info)
+        self._launch(info)
+        self._wait_healthy(info, time.monotonic() + timeout_s)
+
+    def stop(self) -> None:
+        processes = ([self.router] if self.router else []) + self.workers
+        for info in processes:
+            if info.process is not None and info.process.poll() is None:
+                os.killpg(info.process.pid, signal.SIGTERM)
+        for info in processes:
+            if info.process is None:
+                continue
+            try:
+                info.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(info.process.pid, signal.SIGKILL)
+                info.process.wait(timeout=15)
+        if ray.is_initialized():
+            ray.shutdown()
+
+    def __enter__(self) -> "LocalCluster":
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

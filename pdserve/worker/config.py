@@ -1,0 +1,61 @@
+"""A worker's settings, from its command line."""
+
+import argparse
+from dataclasses import dataclass
+
+from pdserve.engine.config import EngineConfig
+from pdserve.worker.protocol import Role
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    engine: EngineConfig
+    role: Role = "both"
+    num_ranks: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8100
+    advertise_url: str | None = None  # how peers reach this worker; default http://host:port
+    ray_address: str | None = None  # None: start a local Ray instance
+    served_model_name: str = ""
+    transfer_timeout_s: float = 30.0
+    drain_timeout_s: float = 30.0
+
+    @property
+    def url(self) -> str:
+        return self.advertise_url or f"http://{self.host}:{self.port}"
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="Hugging Face model directory (default: a generated tiny model)")
+    parser.add_argument("--role", choices=("prefill", "decode", "both"), default="both")
+    parser.add_argument("--ranks", type=int, default=1, help="DP attention ranks in this worker")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--advertise-url", help="URL peers use to reach this worker (default http://HOST:PORT)")
+    parser.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
+    parser.add_argument("--served-model-name", default="")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--num-pages", type=int, help="KV pages per rank (default: from memory settings)")
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="KV pool per rank on the CPU")
+    parser.add_argument("--gpu-memory-fraction", type=float, default=0.9)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--no-prefix-cache", action="store_true")
+    parser.add_argument("--transfer-timeout-s", type=float, default=30.0)
+    parser.add_argument("--drain-timeout-s", type=float, default=30.0, help="grace period for in-flight requests on SIGTERM")
+
+
+def worker_config_from_args(args: argparse.Namespace, model_dir: str) -> WorkerConfig:
+    engine = EngineConfig(
+        model=model_dir, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
+        kv_cache_memory_gb=args.kv_cache_memory_gb, gpu_memory_fraction=args.gpu_memory_fraction,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache, progress=False,
+    )
+    return WorkerConfig(
+        engine=engine, role=args.role, num_ranks=args.ranks, host=args.host, port=args.port,
+        advertise_url=args.advertise_url, ray_address=args.ray_address, served_model_name=args.served_model_name,
+        transfer_timeout_s=args.transfer_timeout_s, drain_timeout_s=args.drain_timeout_s,
+    )

@@ -1,0 +1,342 @@
+"""One DP rank: its engine, stepped by a thread of its own, its NIXL agent, and the three request plans.
+
+Queues a request passes through:
+  both:    engine.waiting -> engine.running -> stream
+  prefill: engine (max_tokens=1, pages kept) -> `_transfers` (NIXL WRITE in flight) -> pages released -> stream
+  decode:  pages reserved -> prefill worker called over HTTP -> `_notified` (NIXL notification seen)
+           -> engine.running from the prefill's first token -> stream
+The engine and the agent are touched only by the step thread; async callers hand it closures (`_call`).
+"""
+
+import asyncio
+import base64
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import httpx
+
+from pdserve.cache.events import KVEvent
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine, InvalidRequestError, NoCapacityError, RequestOutput
+from pdserve.transfer.agent import KVTransferAgent, TransferError, TransferHandle
+from pdserve.worker.client import WorkerClient, WorkerUnavailable
+from pdserve.worker.protocol import (
+    GenerateRequest,
+    KVDestination,
+    KVEventBatch,
+    RankInfo,
+    RankLoad,
+    Role,
+    TokenEvent,
+    TransferMetadata,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+KV_EVENT_HISTORY = 4096  # batches kept for subscribers that fall behind; older gaps get a full dump
+
+
+@dataclass(frozen=True)
+class RankConfig:
+    rank: int
+    role: Role
+    engine: EngineConfig
+    worker_url: str  # where peers reach this rank's worker (metadata, generate)
+    transfer_timeout_s: float = 30.0
+    prefill_timeout_s: float = 120.0
+
+
+@dataclass
+class RankCounters:
+    """Cumulative figures the worker turns into Prometheus metrics."""
+
+    kv_transfer_bytes: int = 0
+    kv_transfer_failures: int = 0
+    kv_transfer_seconds: list[float] = field(default_factory=list)  # drained by each metrics read
+
+
+@dataclass
+class _Transfer:
+    handle: TransferHandle
+    output: RequestOutput
+    deadline_s: float
+
+
+class RankRuntime:
+    def __init__(self, cfg: RankConfig):
+        self.cfg = cfg
+        self._kv_batches: deque[KVEventBatch] = deque(maxlen=KV_EVENT_HISTORY)
+        self._kv_seq = 0
+        self.engine = Engine(cfg.engine, on_kv_events=self._record_kv_events)
+        name = f"{cfg.role}-r{cfg.rank}-{uuid.uuid4().hex[:12]}"  # new per start: peers re-learn a restarted rank
+        self.agent = KVTransferAgent(name, self.engine.runner.kv_cache, progress_thread=False)
+        self.counters = RankCounters()
+        self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.Queue()
+        self._streams: dict[str, asyncio.Queue[TokenEvent]] = {}
+        self._destinations: dict[str, tuple[str, KVDestination]] = {}  # prefill request -> (peer, where to write)
+        self._transfers: dict[str, _Transfer] = {}
+        self._notified: set[str] = set()
+        self._known_peers: set[str] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._http = httpx.AsyncClient()
+
+    # --- lifecycle --------------------------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._thread is None:
+            self._loop = loop
+            self._thread = threading.Thread(target=self._run, name=f"rank-{self.cfg.rank}-step", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.agent.close()
+
+    def info(self) -> RankInfo:
+        return RankInfo(self.cfg.rank, self.cfg.engine.page_size, self.engine.allocator.num_pages, self.agent.name)
+
+    def transfer_metadata(self) -> TransferMetadata:
+        blob = base64.b64encode(self.agent.metadata()).decode()
+        return TransferMetadata(self.cfg.rank, self.agent.name, blob)
+
+    async def load(self) -> RankLoad:
+        stats = await self._call(self.engine.stats)
+        return RankLoad(self.cfg.rank, stats.running, stats.waiting, stats.free_pages, stats.total_pages,
+                        stats.prefix_cache_pages)
+
+    async def stats(self) -> tuple[Any, RankCounters]:
+        def snapshot():
+            counters = RankCounters(self.counters.kv_transfer_bytes, self.counters.kv_transfer_failures,
+                                    self.counters.kv_transfer_seconds)
+            self.counters.kv_transfer_seconds = []
+            return self.engine.stats(), counters
+
+        return await self._call(snapshot)
+
+    # --- requests ---------------------------------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        stream: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        request_id = request.request_id
+        if request_id in self._streams:
+            yield self._error(request_id, f"request id {request_id!r} is already running on this rank")
+            return
+        self._streams[request_id] = stream
+        try:
+            first = await self._admit(request)
+            if first is not None:
+                yield first
+                if first.finish_reason is not None:
+                    return
+            while True:
+                event = await stream.get()
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if request_id in self.engine.requests:  # the caller went away mid-stream
+                await self._call(lambda: self.engine.abort(request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        found = await self._call(lambda: self.engine.abort(request_id))
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put_nowait(TokenEvent(request_id, [], finish_reason="abort"))
+        return found
+
+    async def _admit(self, request: GenerateRequest) -> TokenEvent | None:
+        """Start the request per its plan; returns a first event to emit at once (errors, the decode's first token)."""
+        plan, request_id = request.plan, request.request_id
+        try:
+            if plan.kind == "both":
+                await self._call(lambda: self.engine.add_request(request_id, request.prompt_token_ids, request.sampling))
+                return None
+            if plan.kind == "prefill":
+                if plan.destination is None:
+                    return self._error(request_id, "a prefill plan needs a destination")
+                peer = await self._learn_peer(plan.destination)
+                self._destinations[request_id] = (peer, plan.destination)
+                await self._call(
+                    lambda: self.engine.add_prefill_only(request_id, request.prompt_token_ids, request.sampling)
+                )
+                return None
+            if plan.prefill is None:
+                return self._error(request_id, "a decode plan needs a prefill source")
+            return await self._decode_after_transfer(request)
+        except (InvalidRequestError, NoCapacityError, TransferError, WorkerUnavailable, httpx.HTTPError) as error:
+            self._destinations.pop(request_id, None)
+            return self._error(request_id, str(error))
+
+    async def _decode_after_transfer(self, request: GenerateRequest) -> TokenEvent:
+        request_id, source = request.request_id, request.plan.prefill
+        assert source is not None
+        reserved = await self._call(
+            lambda: self.engine.reserve(request_id, request.prompt_token_ids, request.sampling)
+        )
+        destination = KVDestination(self.cfg.worker_url, self.cfg.rank, self.agent.name, list(reserved.page_ids))
+        prefill_request = GenerateRequest(
+            request_id=request_id, rank=source.rank, prompt_token_ids=request.prompt_token_ids,
+            sampling=request.sampling, plan=type(request.plan)(kind="prefill", destination=destination),
+        )
+        first: TokenEvent | None = None
+        try:
+            async for event in WorkerClient(source.url, self._http).generate(prefill_request, self.cfg.prefill_timeout_s):
+                first = event
+                if event.finish_reason is not None:
+                    break
+            if first is None or first.finish_reason == "error" or not first.token_ids:
+                raise WorkerUnavailable(f"prefill failed: {first.error if first else 'no answer'}")
+            await self._wait_notified(request_id)
+        except BaseException:
+            await self._call(lambda: self.engine.abort(request_id))
+            raise
+        logprob = first.logprobs[0] if first.logprobs else None
+        output = await self._call(lambda: self.engine.start_decoding(request_id, first.token_ids[0], logprob))
+        event = self._event(output)
+        event.cached_tokens = first.cached_tokens
+        return event
+
+    async def _wait_notified(self, request_id: str) -> None:
+        deadline = time.monotonic() + self.cfg.transfer_timeout_s
+        while request_id not in self._notified:
+            if time.monotonic() > deadline:
+                raise TransferError(f"KV of {request_id} did not arrive within {self.cfg.transfer_timeout_s} s")
+            await asyncio.sleep(0.002)
+        self._notified.discard(request_id)
+
+    async def _learn_peer(self, destination: KVDestination) -> str:
+        if destination.agent_name in self._known_peers:
+            return destination.agent_name
+        response = await self._http.get(
+            f"{destination.url.rstrip('/')}/internal/v1/transfer/metadata", params={"rank": destination.rank},
+            timeout=10.0,
+        )
+        response.raise_for_status()
+        blob = base64.b64decode(response.json()["agent_metadata_b64"])
+        name = await self._call(lambda: self.agent.add_peer(blob))
+        if name != destination.agent_name:
+            raise TransferError(f"decode rank at {destination.url} is now {name}, not {destination.agent_name}")
+        self._known_peers.add(name)
+        return name
+
+    # --- the step thread --------------------------------------------------------------------------------------
+    async def _call(self, fn: Callable[[], T]) -> T:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, future))
+        return await asyncio.wrap_future(future)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            idle = not (self.engine.has_work() or self._transfers)
+            self._run_commands(block=idle)
+            try:
+                for output in self.engine.step():
+                    self._route_output(output)
+                self._progress_transfers()
+            except Exception:  # noqa: BLE001 - a step failure must reach every caller, not kill the thread silently
+                log.exception("rank %s step failed", self.cfg.rank)
+                self._fail_everything("engine step failed")
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            fn, future = self._commands.get(timeout=0.005 if block else 0)
+        except queue.Empty:
+            return
+        while True:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as error:  # noqa: BLE001 - handed to the awaiting caller
+                    future.set_exception(error)
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _route_output(self, output: RequestOutput) -> None:
+        target = self._destinations.pop(output.request_id, None)
+        if target is None:
+            self._emit(self._event(output))
+            return
+        peer, destination = target
+        request = self.engine.requests[output.request_id]
+        pages = slice(destination.skip_pages, len(destination.page_ids))
+        try:
+            handle = self.agent.write_pages(peer, request.page_ids[pages], destination.page_ids[pages],
+                                            output.request_id.encode())
+        except TransferError as error:
+            self.engine.release(output.request_id)
+            self.counters.kv_transfer_failures += 1
+            self._emit(self._error(output.request_id, f"KV transfer failed: {error}"))
+            return
+        self._transfers[output.request_id] = _Transfer(handle, output, time.monotonic() + self.cfg.transfer_timeout_s)
+
+    def _progress_transfers(self) -> None:
+        for peer, notif in self.agent.take_notifications():
+            self._notified.add(notif.decode())
+        for request_id, transfer in list(self._transfers.items()):
+            state = self.agent.poll(transfer.handle)
+            if state == "pending" and time.monotonic() < transfer.deadline_s:
+                continue
+            del self._transfers[request_id]
+            self.agent.release(transfer.handle)
+            self.engine.release(request_id)
+            if state == "done":
+                self.counters.kv_transfer_bytes += transfer.handle.num_bytes
+                self.counters.kv_transfer_seconds.append(time.monotonic() - transfer.handle.started_s)
+                self._emit(self._event(transfer.output))
+            else:
+                self.counters.kv_transfer_failures += 1
+                reason = "timed out" if state == "pending" else transfer.handle.error
+                self._emit(self._error(request_id, f"KV transfer {reason}"))
+
+    def _fail_everything(self, message: str) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
+            self._emit(self._error(request_id, message))
+
+    def _emit(self, event: TokenEvent) -> None:
+        stream = self._streams.get(event.request_id)
+        if stream is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(stream.put_nowait, event)
+
+    def _record_kv_events(self, events: list[KVEvent]) -> None:
+        self._kv_seq += 1
+        self._kv_batches.append(KVEventBatch(self.cfg.rank, self._kv_seq, events))
+
+    # --- KV events for the router ---------------------------------------------------------------------------
+    async def kv_events_after(self, after: int) -> list[KVEventBatch]:
+        """Batches with seq > after; a full dump (cleared + every stored block) when `after` is -1 or too old."""
+
+        def collect() -> list[KVEventBatch]:
+            oldest = self._kv_batches[0].seq if self._kv_batches else self._kv_seq + 1
+            if after >= 0 and after + 1 >= oldest and after <= self._kv_seq:
+                return [b for b in self._kv_batches if b.seq > after]
+            cache = self.engine.prefix_cache
+            stored = [KVEvent("stored", [block], parent) for parent, block in (cache.stored_blocks() if cache else [])]
+            return [KVEventBatch(self.cfg.rank, self._kv_seq, [KVEvent("cleared"), *stored])]
+
+        return await self._call(collect)
+
+    # --- events ---------------------------------------------------------------------------------------------
+    def _event(self, output: RequestOutput) -> TokenEvent:
+        return TokenEvent(
+            request_id=output.request_id, token_ids=output.new_token_ids, text=output.text,
+            logprobs=output.new_logprobs, finish_reason=output.finish_reason,  # type: ignore[arg-type]
+            prompt_tokens=output.prompt_tokens, cached_tokens=output.cached_tokens,
+        )
+
+    @staticmethod
+    def _error(request_id: str, message: str) -> TokenEvent:
+        return TokenEvent(request_id, [], finish_reason="error", error=message)

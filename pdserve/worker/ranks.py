@@ -1,0 +1,114 @@
+"""Places a worker's DP ranks as Ray actors (a placement group: one GPU per rank on GPU hosts) and talks to them.
+
+Only msgspec-encoded bytes cross into and out of the actors.
+"""
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import msgspec
+import ray
+import torch
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from pdserve.worker.protocol import GenerateRequest, KVEventBatch, RankInfo, RankLoad, TokenEvent, TransferMetadata
+from pdserve.worker.rank import RankConfig, RankCounters, RankRuntime
+
+log = logging.getLogger(__name__)
+RANK_START_TIMEOUT_S = 600.0
+MAX_RANK_RESTARTS = 3
+
+
+@ray.remote(max_restarts=MAX_RANK_RESTARTS, max_task_retries=0, max_concurrency=1000)
+class RankActor:
+    def __init__(self, cfg_json: bytes):
+        cfg = msgspec.json.decode(cfg_json, type=RankConfig)
+        if cfg.engine.device == "cpu" or not torch.cuda.is_available():
+            torch.set_num_threads(1)  # ranks share the host's cores; one thread each avoids oversubscription
+        self.runtime = RankRuntime(cfg)
+
+    def _started(self) -> RankRuntime:
+        self.runtime.start(asyncio.get_running_loop())
+        return self.runtime
+
+    async def info(self) -> bytes:
+        return msgspec.json.encode(self._started().info())
+
+    async def generate(self, request_json: bytes):
+        request = msgspec.json.decode(request_json, type=GenerateRequest)
+        async for event in self._started().generate(request):
+            yield msgspec.json.encode(event)
+
+    async def abort(self, request_id: str) -> bool:
+        return await self._started().abort(request_id)
+
+    async def load(self) -> bytes:
+        return msgspec.json.encode(await self._started().load())
+
+    async def stats(self) -> bytes:
+        engine_stats, counters = await self._started().stats()
+        return msgspec.json.encode({"engine": engine_stats, "counters": counters})
+
+    async def kv_events_after(self, after: int) -> bytes:
+        return msgspec.json.encode(await self._started().kv_events_after(after))
+
+    async def transfer_metadata(self) -> bytes:
+        return msgspec.json.encode(self._started().transfer_metadata())
+
+
+class RankHandle:
+    """The worker process's view of one rank actor: typed calls with timeouts."""
+
+    def __init__(self, rank: int, actor: "ray.actor.ActorHandle"):
+        self.rank = rank
+        self.actor = actor
+
+    async def info(self, timeout_s: float) -> RankInfo:
+        return msgspec.json.decode(await asyncio.wait_for(self.actor.info.remote(), timeout_s), type=RankInfo)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        decoder = msgspec.json.Decoder(TokenEvent)
+        async for ref in self.actor.generate.options(num_returns="streaming").remote(msgspec.json.encode(request)):
+            yield decoder.decode(await ref)
+
+    async def abort(self, request_id: str, timeout_s: float) -> bool:
+        return await asyncio.wait_for(self.actor.abort.remote(request_id), timeout_s)
+
+    async def load(self, timeout_s: float) -> RankLoad:
+        return msgspec.json.decode(await asyncio.wait_for(self.actor.load.remote(), timeout_s), type=RankLoad)
+
+    async def stats(self, timeout_s: float) -> tuple[dict, RankCounters]:
+        raw = msgspec.json.decode(await asyncio.wait_for(self.actor.stats.remote(), timeout_s))
+        return raw["engine"], msgspec.convert(raw["counters"], RankCounters)
+
+    async def kv_events_after(self, after: int, timeout_s: float) -> list[KVEventBatch]:
+        raw = await asyncio.wait_for(self.actor.kv_events_after.remote(after), timeout_s)
+        return msgspec.json.decode(raw, type=list[KVEventBatch])
+
+    async def transfer_metadata(self, timeout_s: float) -> TransferMetadata:
+        raw = await asyncio.wait_for(self.actor.transfer_metadata.remote(), timeout_s)
+        return msgspec.json.decode(raw, type=TransferMetadata)
+
+
+def connect_ray(address: str | None) -> None:
+    if ray.is_initialized():
+        return
+    ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             logging_level=logging.WARNING, namespace="pdserve")
+
+
+def start_ranks(rank_configs: list[RankConfig], use_gpus: bool) -> list[RankHandle]:
+    """One actor per rank, packed by a placement group (spanning nodes when one cannot hold them all)."""
+    bundle = {"GPU": 1} if use_gpus else {"CPU": 0.01}
+    group = placement_group([dict(bundle) for _ in rank_configs], strategy="PACK")
+    ray.get(group.ready(), timeout=RANK_START_TIMEOUT_S)
+    handles = []
+    for index, cfg in enumerate(rank_configs):
+        actor = RankActor.options(
+            num_cpus=0 if use_gpus else 0.01, num_gpus=1 if use_gpus else 0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
+        ).remote(msgspec.json.encode(cfg))
+        handles.append(RankHandle(cfg.rank, actor))
+    return handles

@@ -1,0 +1,45 @@
+"""Starts a worker: joins (or starts) Ray, places the ranks, waits for their models, then serves HTTP."""
+
+import asyncio
+import logging
+from pathlib import Path
+
+import ray
+import uvicorn
+
+from pdserve.model.config import ModelConfig
+from pdserve.worker.config import WorkerConfig
+from pdserve.worker.protocol import API_VERSION, WorkerInfo
+from pdserve.worker.rank import RankConfig
+from pdserve.worker.ranks import RANK_START_TIMEOUT_S, connect_ray, start_ranks
+from pdserve.worker.server import RankSet, build_worker_app
+
+log = logging.getLogger(__name__)
+
+
+def run_worker(cfg: WorkerConfig) -> None:
+    connect_ray(cfg.ray_address)
+    use_gpus = ray.cluster_resources().get("GPU", 0) >= cfg.num_ranks and cfg.engine.device != "cpu"
+    rank_configs = [
+        RankConfig(rank=i, role=cfg.role, engine=cfg.engine, worker_url=cfg.url, transfer_timeout_s=cfg.transfer_timeout_s)
+        for i in range(cfg.num_ranks)
+    ]
+    handles = start_ranks(rank_configs, use_gpus)
+    print(f"pdserve worker: loading {cfg.engine.model} on {cfg.num_ranks} rank(s) ...", flush=True)
+    infos = asyncio.run(_gather_infos(handles))
+    model_cfg = ModelConfig.from_dir(cfg.engine.model)
+    info = WorkerInfo(
+        api_version=API_VERSION,
+        role=cfg.role,
+        model=cfg.served_model_name or Path(cfg.engine.model).name,
+        max_model_len=cfg.engine.max_model_len or model_cfg.max_position_embeddings,
+        ranks=infos,
+    )
+    app = build_worker_app(cfg, RankSet(handles), info)
+    print(f"pdserve worker: {cfg.role} serving on {cfg.url}", flush=True)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning",
+                timeout_graceful_shutdown=int(cfg.drain_timeout_s))
+
+
+async def _gather_infos(handles):
+    return list(await asyncio.gather(*(h.info(RANK_START_TIMEOUT_S) for h in handles)))
