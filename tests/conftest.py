@@ -28,3 +28,28 @@ def tiny_v2(tiny_model_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_v3(tiny_model_factory) -> str:
     return tiny_model_factory("v3")
+
+
+@pytest.fixture(scope="session")
+def ray_address():
+    """One local Ray instance for every cluster a test run starts (each worker process joins it)."""
+    import logging
+
+    import ray
+
+    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, logging_level=logging.WARNING,
+             namespace="pdserve-tests")
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def pd_cluster(tiny_v2, ray_address, tmp_path_factory):
+    """A router with one prefill, one decode and one colocated (both) worker, float32, on the tiny V2 model."""
+    from pdserve.cluster.local import ClusterConfig, LocalCluster
+
+    cfg = ClusterConfig(model=tiny_v2, port=0, num_prefill=1, num_decode=1, num_both=1, ray_address=ray_address,
+                        worker_args=("--dtype", "float32", "--num-pages", "512"),
+                        log_dir=str(tmp_path_factory.mktemp("pd-cluster-logs")))
+    with LocalCluster(cfg) as cluster:
+        yield cluster

@@ -35,6 +35,7 @@ class ClusterConfig:
     worker_args: tuple[str, ...] = ()  # extra `pdserve worker` flags
     router_args: tuple[str, ...] = ()
     start_timeout_s: float = 300.0
+    ray_address: str | None = None  # join this Ray instance; None: start one owned by this cluster
     log_dir: str | None = None  # each process's output goes to a file here (default: a temp dir)
 
 
@@ -54,6 +55,7 @@ class LocalCluster:
     router: ProcessInfo | None = None
     ray_address: str = ""
     _log_dir: Path | None = None
+    _owns_ray: bool = False
 
     @property
     def url(self) -> str:
@@ -64,10 +66,14 @@ class LocalCluster:
         cfg = self.cfg
         self._log_dir = Path(cfg.log_dir or os.environ.get("TMPDIR", "/tmp")) / f"pdserve-{os.getpid()}-{free_port()}"
         self._log_dir.mkdir(parents=True, exist_ok=True)
-        if not ray.is_initialized():
-            ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
-                     logging_level=logging.WARNING, namespace="pdserve")
-        self.ray_address = ray.get_runtime_context().gcs_address
+        if cfg.ray_address:
+            self.ray_address = cfg.ray_address
+        else:
+            self._owns_ray = not ray.is_initialized()
+            if self._owns_ray:
+                ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
+                         logging_level=logging.WARNING, namespace="pdserve")
+            self.ray_address = ray.get_runtime_context().gcs_address
         roles = ["prefill"] * cfg.num_prefill + ["decode"] * cfg.num_decode + ["both"] * cfg.num_both
         counts: dict[str, int] = {}
         for role in roles:
@@ -158,7 +164,7 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 os.killpg(info.process.pid, signal.SIGKILL)
                 info.process.wait(timeout=15)
-        if ray.is_initialized():
+        if self._owns_ray:
             ray.shutdown()
 
     def __enter__(self) -> "LocalCluster":

@@ -1,0 +1,84 @@
+"""Faults between real prefill and decode workers: the caller gets a clear error (never a hang), no page leaks,
+and the survivors keep serving."""
+
+import threading
+import time
+
+import pytest
+
+from pdserve import SamplingParams
+from pdserve.cluster.local import ClusterConfig, LocalCluster
+from pdserve.worker.protocol import Plan
+
+from worker_calls import TIMEOUT_S, disaggregated, generate, pages_at_rest, token_ids
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
+PROMPT = list(range(2, 60))
+
+
+@pytest.fixture()
+def cluster(tiny_v2, ray_address, tmp_path):
+    cfg = ClusterConfig(model=tiny_v2, port=0, num_prefill=1, num_decode=1, ray_address=ray_address,
+                        worker_args=("--dtype", "float32", "--num-pages", "512", "--transfer-timeout-s", "10"),
+                        log_dir=str(tmp_path))
+    with LocalCluster(cfg) as local:
+        yield local
+
+
+def eventually(check, timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.1)
+    return check()
+
+
+def test_prefill_death_gives_an_error_frees_decode_pages_and_recovers(cluster):
+    prefill, decode = cluster.workers
+    expected = token_ids(disaggregated(decode.url, prefill.url, PROMPT, GREEDY))
+    cluster.kill(prefill)
+    started = time.monotonic()
+    events = disaggregated(decode.url, prefill.url, PROMPT, GREEDY)
+    assert events[-1].finish_reason == "error" and not token_ids(events)
+    assert time.monotonic() - started < TIMEOUT_S
+    assert eventually(lambda: pages_at_rest(decode.url))
+    assert token_ids(generate(decode.url, PROMPT, GREEDY)) == expected  # the decode worker still serves
+    cluster.restart(prefill)
+    assert token_ids(disaggregated(decode.url, prefill.url, PROMPT, GREEDY)) == expected
+
+
+def test_decode_death_mid_stream_ends_the_stream_and_frees_prefill_pages(cluster):
+    prefill, decode = cluster.workers
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.setdefault("events", disaggregated(decode.url, prefill.url,
+                                                                                       PROMPT, LONG)))
+    thread.start()
+    time.sleep(3.0)  # well into decoding
+    cluster.kill(decode)
+    thread.join(timeout=TIMEOUT_S)
+    assert not thread.is_alive()
+    events = result["events"]
+    assert events[-1].finish_reason == "error"
+    assert 0 < len(token_ids(events)) < LONG.max_tokens
+    assert eventually(lambda: pages_at_rest(prefill.url))
+    cluster.restart(decode)
+    assert disaggregated(decode.url, prefill.url, PROMPT, GREEDY)[-1].finish_reason == "length"
+
+
+def test_abort_mid_stream_ends_with_abort_and_frees_pages(cluster):
+    import httpx
+
+    prefill, decode = cluster.workers
+    result: dict = {}
+    plan_thread = threading.Thread(target=lambda: result.setdefault(
+        "events", generate(decode.url, PROMPT, LONG, Plan("both"), request_id="to-abort")))
+    plan_thread.start()
+    time.sleep(2.0)
+    # what the router sends when its client disconnects
+    assert httpx.post(decode.url + "/internal/v1/abort", json={"request_id": "to-abort"}, timeout=5).json()["aborted"]
+    plan_thread.join(timeout=TIMEOUT_S)
+    assert not plan_thread.is_alive()
+    assert result["events"][-1].finish_reason == "abort"
+    assert eventually(lambda: pages_at_rest(decode.url))
