@@ -6,7 +6,8 @@ fi
 source .venv/bin/activate
 if ! python -c "import pdserve, torch, transformers, nixl, ray, helm, kubernetes_validate" >/dev/null 2>&1; then
   echo "installing pdserve and its dependencies into .venv (first run only) ..." >&2
-  python -m pip install -q --upgrade pip >/dev/null
-  python -m pip install -q torch==2.13.0
-  python -m pip install -q -e ".[test]"
+  # pip's per-index warnings are noise here; real errors still stop the script (set -e, pipefail)
+  python -m pip install -q --upgrade pip 2>&1 | { grep -v "^WARNING: Location" || true; }
+  python -m pip install -q torch==2.13.0 2>&1 | { grep -v "^WARNING: Location" || true; }
+  python -m pip install -q -e ".[test]" 2>&1 | { grep -v "^WARNING: Location" || true; }
 fi

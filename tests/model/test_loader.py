@@ -1,7 +1,6 @@
 """Checkpoint loading: FP8 block-quantized weights, sharded files, and clear errors for a broken checkpoint."""
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
