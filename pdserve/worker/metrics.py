@@ -26,8 +26,9 @@ class WorkerMetrics:
 
     def update(self, rank: int, engine_stats: dict, counters: RankCounters) -> None:
         self._snapshots[rank] = (engine_stats, counters)
+        histogram = self.kv_transfer_seconds.labels(self.model, self.role, str(rank))  # exported from the start, at 0
         for seconds in counters.kv_transfer_seconds:
-            self.kv_transfer_seconds.labels(self.model, self.role, str(rank)).observe(seconds)
+            histogram.observe(seconds)
 
     def collect(self):
         gauges = {
