@@ -188,6 +188,26 @@ def graph_step_ms(model, kv_cache, ids, positions, last_rows, batch) -> float:
     return ms
 
 
+def profile_decode_step(model, kv_cache, batch_size, context, page_size, log) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    device = kv_cache.device
+    query_lens, kv_lens = [1] * batch_size, [context] * batch_size
+    ids, positions, last_rows = step_inputs(query_lens, kv_lens, model.cfg.vocab_size, device)
+
+    def eager_step():
+        step_batch = contiguous_batch(query_lens, kv_lens, page_size, device)
+        return model.compute_logits(model(ids, positions, kv_cache, step_batch)[last_rows])
+
+    with torch.inference_mode():
+        timed_ms(eager_step, device, warmup=2, iters=1)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            eager_step()
+            torch.cuda.synchronize()
+    log(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    log(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(DEFAULT_CONFIG))
@@ -202,6 +222,9 @@ def main() -> None:
     parser.add_argument("--prefill", default="1024,4096,16384")
     parser.add_argument("--check-tokens", type=int, default=512, help="tokens per sequence (2 seqs) for the logits check")
     parser.add_argument("--no-graph", action="store_true")
+    parser.add_argument("--check-only", action="store_true", help="only the logits check")
+    parser.add_argument("--profile-decode", type=int, default=0, help="print host/device hot spots of one eager "
+                        "decode step at this batch size (4k context) after the logits check, then stop")
     parser.add_argument("--log", default=None)
     args = parser.parse_args()
     log_file = open(args.log, "w") if args.log else None
@@ -219,6 +242,8 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     prefills = [int(p) for p in args.prefill.split(",")]
+    if args.check_only or args.profile_decode:
+        batches, contexts, prefills = [max(args.profile_decode, 1)], [4096], [1]
     on_cuda = device.type == "cuda"
 
     bytes_per_s = hbm_read_bytes_per_s(device, 4.0 if on_cuda else 0.25)
@@ -248,6 +273,12 @@ def main() -> None:
     reference = float32_reference_logits(model, ids, positions, batch, last_rows)
     logits_err = ((logits - reference).norm() / reference.norm()).item()
     log(f"logits rel err vs float32: {logits_err:.2e} (nan: {bool(torch.isnan(logits).any())})")
+
+    if args.check_only:
+        return
+    if args.profile_decode:
+        profile_decode_step(model, kv_cache, args.profile_decode, 4096, args.page_size, log)
+        return
 
     prefill_rows = []
     for n in prefills:
