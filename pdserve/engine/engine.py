@@ -79,7 +79,7 @@ class Engine:
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.model_config = ModelConfig.from_dir(cfg.model)
         self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
-        backends = select_backends(cfg.attention_backend, cfg.moe_backend, self.device)
+        backends = select_backends(cfg.attention_backend, cfg.moe_backend, self.device, self.dtype)
         model = load_model(cfg.model, self.model_config, backends, self.device, self.dtype, experts, cfg.progress)
         num_pages = cfg.num_pages or self._pages_that_fit()
         self.runner = ModelRunner(model, num_pages, cfg.page_size, self.device, self.dtype)

@@ -5,7 +5,7 @@ Attention runs in the weight-absorbed form for every token: queries arrive alrea
 (the caller applies W_UV). The cache is never expanded to per-head keys and values.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -20,6 +20,9 @@ class AttentionBatch:
     page_table: torch.Tensor  # [num_seqs, max_pages] int64, page ids of each sequence (padded)
     slot_mapping: torch.Tensor  # [num_tokens] int64, page * page_size + offset for each new token's KV
     page_size: int
+    # Per-step state a backend builds on the first layer and every later layer reuses (e.g. a kernel plan),
+    # keyed by backend; it lives and dies with this step's batch.
+    plans: dict[str, object] = field(default_factory=dict, repr=False)
 
 
 class AttentionBackend(Protocol):

@@ -1,0 +1,322 @@
+"""Decode and prefill speed of a random-weight model of a real shape, against limits measured in the same run.
+
+One table: decode step time (batch x context) next to its memory roofline (bytes the step must read / HBM read
+bandwidth), prefill tokens/s next to the bf16 matmul peak, and full-model bf16 logits against a float32 reference.
+
+    python benchmarks/gpu_decode_prefill.py                      # V2-Lite shape on CUDA (flashinfer + grouped MoE)
+    python benchmarks/gpu_decode_prefill.py --device cpu --attention torch --moe torch --layers 2 \
+        --batches 1,2 --contexts 64 --prefill 64 --dtype float32 # smoke run of the script itself
+"""
+
+import argparse
+import copy
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.model.config import ModelConfig
+from pdserve.model.deepseek import Backends, DeepseekForCausalLM
+from pdserve.model.loader import build_model
+from pdserve.model.random_init import init_random_weights
+from pdserve.ops.attention import AttentionBatch, TorchAttention
+from pdserve.ops.moe import TorchMoE
+from pdserve.ops.select import select_backends
+
+DEFAULT_CONFIG = Path(__file__).with_name("deepseek-v2-lite.config.json")
+
+
+def timed_ms(fn: Callable[[], object], device: torch.device, warmup: int = 2, iters: int = 10) -> float:
+    for _ in range(warmup):
+        fn()
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - start) * 1e3 / iters
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    begin.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / iters
+
+
+def hbm_read_bytes_per_s(device: torch.device, gib: float) -> float:
+    """A large reduction reads every byte once and writes almost nothing: the read bandwidth a decode step sees."""
+    data = torch.ones(int(gib * 2**30) // 2, dtype=torch.bfloat16, device=device)
+    ms = timed_ms(lambda: data.sum(), device)
+    return data.numel() * 2 / (ms / 1e3)
+
+
+def matmul_flop_per_s(device: torch.device, dtype: torch.dtype, n: int) -> float:
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    return 2 * n**3 / (timed_ms(lambda: a @ b, device) / 1e3)
+
+
+def contiguous_batch(query_lens: list[int], kv_lens: list[int], page_size: int, device) -> AttentionBatch:
+    """Sequence i owns a contiguous run of pages; its new tokens sit at the end of its context."""
+    pages = [-(-n // page_size) for n in kv_lens]
+    first = [sum(pages[:i]) for i in range(len(pages))]
+    table = [[f + p for p in range(max(pages))] for f in first]
+    slots = [(f + pos // page_size) * page_size + pos % page_size
+             for f, q, n in zip(first, query_lens, kv_lens) for pos in range(n - q, n)]
+    return AttentionBatch(query_lens=query_lens, kv_lens=kv_lens, page_size=page_size,
+                          page_table=torch.tensor(table, dtype=torch.int64, device=device),
+                          slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device))
+
+
+def step_inputs(query_lens, kv_lens, vocab, device, seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.randint(0, vocab, (sum(query_lens),), generator=gen).to(device)
+    positions = torch.tensor([p for q, n in zip(query_lens, kv_lens) for p in range(n - q, n)], device=device)
+    last_rows = torch.tensor(list(torch.tensor(query_lens).cumsum(0) - 1), device=device)
+    return ids, positions, last_rows
+
+
+class ExpertCounter:
+    """Wraps a MoE backend and records, per call (= per MoE layer), how many distinct local experts were chosen."""
+
+    def __init__(self, inner):
+        self.inner, self.distinct = inner, []
+
+    def forward(self, x, topk_ids, topk_weights, w13, w2, first_expert):
+        self.distinct.append(torch.unique(topk_ids).numel())
+        return self.inner.forward(x, topk_ids, topk_weights, w13, w2, first_expert)
+
+
+def decode_bytes_read(model: DeepseekForCausalLM, distinct_experts: list[int], batch: AttentionBatch) -> int:
+    """Weights the step touches (routed experts only where chosen, embedding rows only) plus the KV it attends to."""
+    cfg, total, moe_layer = model.cfg, 0, 0
+    for layer in model.model.layers:
+        for name, param in layer.named_parameters():
+            if "experts.w" in name:
+                continue
+            total += param.numel() * param.element_size()
+        if layer.is_moe:
+            experts = layer.mlp.experts
+            per_expert = (experts.w13[0].numel() + experts.w2[0].numel()) * experts.w13.element_size()
+            total += per_expert * distinct_experts[moe_layer]
+            moe_layer += 1
+    elem = model.lm_head.weight.element_size()
+    total += model.lm_head.weight.numel() * elem + model.model.norm.weight.numel() * elem
+    total += len(batch.query_lens) * cfg.hidden_size * elem  # embedding rows
+    total += sum(batch.kv_lens) * cfg.num_hidden_layers * cfg.kv_dim * elem
+    return total
+
+
+def prefill_flop(model: DeepseekForCausalLM, num_tokens: int) -> float:
+    """Matmul FLOPs of one prefill from an empty cache, absorbed MLA as executed (scores over 576, values over 512)."""
+    cfg = model.cfg
+    per_token = 0
+    for layer in model.model.layers:
+        for name, param in layer.named_parameters():
+            if param.dim() == 2 and "norm" not in name and "gate.weight" not in name:
+                per_token += param.numel()
+        if layer.is_moe:
+            per_token += cfg.num_experts_per_tok * (layer.mlp.experts.w13[0].numel() + layer.mlp.experts.w2[0].numel())
+            per_token += layer.mlp.gate.weight.numel()
+    pairs = num_tokens * (num_tokens + 1) / 2
+    attention = 2 * cfg.num_attention_heads * (cfg.kv_dim + cfg.kv_lora_rank) * pairs * cfg.num_hidden_layers
+    return 2 * per_token * num_tokens + attention + 2 * model.lm_head.weight.numel()
+
+
+@torch.inference_mode()
+def float32_reference_logits(model, ids, positions, batch, last_rows) -> torch.Tensor:
+    """The same weights upcast one layer at a time (a float32 copy of the whole model would not fit next to it)."""
+    cfg = model.cfg
+    backends = Backends(attention=TorchAttention(), moe=TorchMoE())
+    kv = torch.zeros(batch.page_table.max().item() + 1, batch.page_size, cfg.kv_dim, device=ids.device)
+    cos, sin = model.rope.cos_sin(positions)
+    x = model.model.embed_tokens.weight[ids].float()
+    for layer in model.model.layers:
+        x = copy.deepcopy(layer).float()(x, cos, sin, model.rope, kv, batch, backends)
+    x = copy.deepcopy(model.model.norm).float()(x)
+    return F.linear(x[last_rows], model.lm_head.weight.float())
+
+
+def decode_row(model, kv_cache, batch_size, context, page_size, bytes_per_s, use_graph, log) -> dict:
+    cfg, device = model.cfg, kv_cache.device
+    query_lens, kv_lens = [1] * batch_size, [context] * batch_size
+    ids, positions, last_rows = step_inputs(query_lens, kv_lens, cfg.vocab_size, device)
+    counter = ExpertCounter(model.backends.moe)
+    counted = DeepseekForCausalLM.__new__(DeepseekForCausalLM)  # a view of the model with the counting backend
+    counted.__dict__.update(model.__dict__)
+    counted.backends = Backends(attention=model.backends.attention, moe=counter)
+    batch = contiguous_batch(query_lens, kv_lens, page_size, device)
+    with torch.inference_mode():
+        counted(ids, positions, kv_cache, batch)
+    roofline_bytes = decode_bytes_read(model, counter.distinct, batch)
+
+    def eager_step():  # as the engine runs it: a new batch, so a new attention plan, every step
+        step_batch = contiguous_batch(query_lens, kv_lens, page_size, device)
+        return model.compute_logits(model(ids, positions, kv_cache, step_batch)[last_rows])
+
+    with torch.inference_mode():
+        eager_ms = timed_ms(eager_step, device)
+    graph_ms = float("nan")
+    if use_graph:
+        try:
+            graph_ms = graph_step_ms(model, kv_cache, ids, positions, last_rows, batch)
+        except Exception as error:  # report and go on: the eager figure still stands
+            log(f"cuda graph capture failed at batch {batch_size}: {type(error).__name__}: {error}")
+    roofline_ms = roofline_bytes / bytes_per_s * 1e3
+    best = min(eager_ms, graph_ms) if graph_ms == graph_ms else eager_ms
+    return dict(batch=batch_size, context=context, gb=roofline_bytes / 1e9, roofline_ms=roofline_ms,
+                eager_ms=eager_ms, graph_ms=graph_ms, ratio=roofline_ms / best)
+
+
+@torch.inference_mode()
+def graph_step_ms(model, kv_cache, ids, positions, last_rows, batch) -> float:
+    """Replay of one captured decode step (attention planned once before capture, as a padded graph batch would be)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            model.compute_logits(model(ids, positions, kv_cache, batch)[last_rows])
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        model.compute_logits(model(ids, positions, kv_cache, batch)[last_rows])
+    ms = timed_ms(graph.replay, kv_cache.device, iters=20)
+    del graph
+    return ms
+
+
+def profile_decode_step(model, kv_cache, batch_size, context, page_size, log) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    device = kv_cache.device
+    query_lens, kv_lens = [1] * batch_size, [context] * batch_size
+    ids, positions, last_rows = step_inputs(query_lens, kv_lens, model.cfg.vocab_size, device)
+
+    def eager_step():
+        step_batch = contiguous_batch(query_lens, kv_lens, page_size, device)
+        return model.compute_logits(model(ids, positions, kv_cache, step_batch)[last_rows])
+
+    with torch.inference_mode():
+        timed_ms(eager_step, device, warmup=2, iters=1)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            eager_step()
+            torch.cuda.synchronize()
+    log(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    log(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--attention", default="auto")
+    parser.add_argument("--moe", default="auto")
+    parser.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (smoke runs)")
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--batches", default="1,16,64,256")
+    parser.add_argument("--contexts", default="1024,4096")
+    parser.add_argument("--prefill", default="1024,4096,16384")
+    parser.add_argument("--check-tokens", type=int, default=512, help="tokens per sequence (2 seqs) for the logits check")
+    parser.add_argument("--no-graph", action="store_true")
+    parser.add_argument("--check-only", action="store_true", help="only the logits check")
+    parser.add_argument("--profile-decode", type=int, default=0, help="print host/device hot spots of one eager "
+                        "decode step at this batch size (4k context) after the logits check, then stop")
+    parser.add_argument("--log", default=None)
+    args = parser.parse_args()
+    log_file = open(args.log, "w") if args.log else None
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        if log_file:
+            print(line, file=log_file, flush=True)
+
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    raw = json.loads(Path(args.config).read_text())
+    if args.layers:
+        raw["num_hidden_layers"] = args.layers
+    cfg = ModelConfig.from_dict(raw)
+    batches = [int(b) for b in args.batches.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    prefills = [int(p) for p in args.prefill.split(",")]
+    if args.check_only or args.profile_decode:
+        batches, contexts, prefills = [max(args.profile_decode, 1)], [4096], [1]
+    on_cuda = device.type == "cuda"
+
+    bytes_per_s = hbm_read_bytes_per_s(device, 4.0 if on_cuda else 0.25)
+    flop_per_s = matmul_flop_per_s(device, dtype, 8192 if on_cuda else 1024)
+    log(f"device: {torch.cuda.get_device_name(device) if on_cuda else 'cpu'}; HBM read {bytes_per_s / 1e12:.2f} TB/s; "
+        f"{args.dtype} matmul {flop_per_s / 1e12:.0f} TFLOP/s")
+
+    backends = select_backends(args.attention, args.moe, device, dtype)
+    model = init_random_weights(build_model(cfg, backends, device, dtype), seed=0)
+    params = sum(p.numel() for p in model.parameters())
+    log(f"model: {params / 1e9:.2f}B params, {cfg.num_hidden_layers} layers; backends "
+        f"{type(backends.attention).__name__} + {type(backends.moe).__name__}")
+
+    max_tokens = max(max(batches) * max(contexts), max(prefills), 2 * args.check_tokens)
+    num_pages = -(-max_tokens // args.page_size) + max(batches)
+    kv_cache = torch.empty(cfg.num_hidden_layers, num_pages, args.page_size, cfg.kv_dim, dtype=dtype, device=device)
+    for layer_cache in kv_cache:
+        layer_cache.normal_()
+    log(f"kv pool: {num_pages} pages of {args.page_size}, {kv_cache.numel() * kv_cache.element_size() / 1e9:.1f} GB")
+
+    # Correctness first: full-model logits against float32 on the same device.
+    query_lens = [args.check_tokens] * 2
+    ids, positions, last_rows = step_inputs(query_lens, query_lens, cfg.vocab_size, device, seed=1)
+    batch = contiguous_batch(query_lens, query_lens, args.page_size, device)
+    with torch.inference_mode():
+        logits = model.compute_logits(model(ids, positions, kv_cache, batch)[last_rows])
+    reference = float32_reference_logits(model, ids, positions, batch, last_rows)
+    logits_err = ((logits - reference).norm() / reference.norm()).item()
+    log(f"logits rel err vs float32: {logits_err:.2e} (nan: {bool(torch.isnan(logits).any())})")
+
+    if args.check_only:
+        return
+    if args.profile_decode:
+        profile_decode_step(model, kv_cache, args.profile_decode, 4096, args.page_size, log)
+        return
+
+    prefill_rows = []
+    for n in prefills:
+        ids, positions, last_rows = step_inputs([n], [n], cfg.vocab_size, device)
+
+        def prefill_step():
+            step_batch = contiguous_batch([n], [n], args.page_size, device)
+            return model.compute_logits(model(ids, positions, kv_cache, step_batch)[last_rows])
+
+        with torch.inference_mode():
+            ms = timed_ms(prefill_step, device, warmup=1, iters=3)
+        fraction = prefill_flop(model, n) / (ms / 1e3) / flop_per_s
+        prefill_rows.append((n, ms, n / (ms / 1e3), fraction))
+        log(f"prefill {n}: {ms:.1f} ms, {n / (ms / 1e3):,.0f} tok/s, {fraction:.0%} of matmul peak")
+
+    decode_rows = []
+    for context in contexts:
+        for batch_size in batches:
+            row = decode_row(model, kv_cache, batch_size, context, args.page_size, bytes_per_s,
+                             on_cuda and not args.no_graph, log)
+            decode_rows.append(row)
+            log(f"decode {row}")
+
+    log("")
+    log(f"| decode batch | context | bytes read (GB) | roofline (ms) | eager (ms) | CUDA graph (ms) | roofline/best |")
+    log("|---|---|---|---|---|---|---|")
+    for r in decode_rows:
+        log(f"| {r['batch']} | {r['context']} | {r['gb']:.1f} | {r['roofline_ms']:.2f} | {r['eager_ms']:.2f} | "
+            f"{r['graph_ms']:.2f} | {r['ratio']:.0%} |")
+    log("")
+    log("| prefill tokens | time (ms) | tokens/s | fraction of bf16 matmul peak |")
+    log("|---|---|---|---|")
+    for n, ms, tps, fraction in prefill_rows:
+        log(f"| {n} | {ms:.1f} | {tps:,.0f} | {fraction:.0%} |")
+    log("")
+    log(f"HBM read {bytes_per_s / 1e12:.2f} TB/s, matmul {flop_per_s / 1e12:.0f} TFLOP/s, "
+        f"full-model logits rel err vs float32 {logits_err:.2e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+import pytest
+import torch
+
+from pdserve.ops.moe import TorchMoE
+from pdserve.ops.moe_grouped import GroupedMoE
+
+
+def random_moe_inputs(device, num_tokens=97, hidden=128, inter=64, experts=16, top_k=4, extra_ids=0, seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5
+    ids = torch.stack([torch.randperm(experts + extra_ids, generator=gen)[:top_k] for _ in range(num_tokens)])
+    weights = torch.rand(num_tokens, top_k, generator=gen)
+    bf16 = dict(device=device, dtype=torch.bfloat16)
+    return x.to(**bf16), ids.to(device), weights.to(device), w13.to(**bf16), w2.to(**bf16)
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def check_matches_reference(device, first_expert=0, extra_ids=0, **shape):
+    x, ids, weights, w13, w2 = random_moe_inputs(device, extra_ids=extra_ids, **shape)
+    ids = ids + first_expert - (extra_ids // 2)  # some ids fall below and above this rank's range
+    ref = TorchMoE().forward(x, ids, weights, w13, w2, first_expert)
+    out = GroupedMoE().forward(x, ids, weights, w13, w2, first_expert)
+    assert not torch.isnan(out).any()
+    assert rel_err(out, ref) < 1e-2
+
+
+def test_grouped_moe_matches_torch_reference_on_cpu():
+    check_matches_reference("cpu")
+
+
+def test_grouped_moe_drops_slots_routed_to_other_ranks():
+    check_matches_reference("cpu", first_expert=8, extra_ids=8)
+
+
+def test_grouped_moe_handles_experts_without_tokens():
+    check_matches_reference("cpu", num_tokens=1, top_k=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 64, 4096])
+def test_grouped_moe_matches_torch_reference_on_gpu(num_tokens):
+    check_matches_reference("cuda", num_tokens=num_tokens, hidden=2048, inter=1408, experts=64, top_k=6)
+
+
+@pytest.mark.gpu
+def test_grouped_moe_drops_foreign_experts_on_gpu():
+    check_matches_reference("cuda", first_expert=16, extra_ids=16, hidden=256, inter=128, experts=32, top_k=6)
