@@ -1,0 +1,45 @@
+"""`pdserve up` (the README's first command) brings a cluster up, serves a completion, and Ctrl-C stops every process."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from pdserve.cluster.local import free_port
+
+
+def test_up_serves_and_ctrl_c_leaves_no_process_behind(tiny_v2, tmp_path):
+    port = free_port()
+    up = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--model", tiny_v2, "--port", str(port),
+                           "--log-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not any("Ctrl-C" in line for line in lines):
+            line = up.stdout.readline()
+            assert line or up.poll() is None, "".join(lines)
+            lines.append(line)
+        output = "".join(lines)
+        assert f"router:  http://127.0.0.1:{port}" in output, output
+        worker_urls = re.findall(r"^(?:prefill|decode)-0: (http://\S+)", output, re.M)
+        assert len(worker_urls) == 2, output
+        model = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"][0]["id"]
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                           json={"model": model, "prompt": "The quick brown fox", "max_tokens": 5})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 5
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0
+        for url in [f"http://127.0.0.1:{port}", *worker_urls]:
+            try:
+                httpx.get(url + "/health", timeout=2)
+                raise AssertionError(f"{url} still answers after Ctrl-C")
+            except httpx.HTTPError:
+                pass
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
