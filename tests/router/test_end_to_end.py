@@ -94,3 +94,22 @@ def test_killing_a_worker_mid_run_loses_no_request_and_is_reported(tiny_v2, ray_
         metrics = httpx.get(cluster.url + "/metrics", timeout=10).text
         ejections = [line for line in metrics.splitlines() if line.startswith("pdserve_router_worker_ejections_total")]
         assert ejections and float(ejections[0].split()[-1]) >= 1
+
+
+def routed_match_sum(cluster) -> float:
+    text = httpx.get(cluster.url + "/metrics", timeout=10).text
+    sums = [float(line.split()[-1]) for line in text.splitlines()
+            if line.startswith("pdserve_routed_prefix_match_ratio_sum")]
+    return sum(sums)
+
+
+def test_restarted_router_rebuilds_its_prefix_index_from_the_workers(pd_cluster, client, MODEL):
+    prompt = "Router restart check: a prompt long enough to fill several pages of the KV cache. " * 4
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    pd_cluster.restart(pd_cluster.router)
+    pd_cluster._wait_routable(time.monotonic() + 60)
+    assert routed_match_sum(pd_cluster) == 0  # a fresh router: nothing routed, nothing remembered
+    time.sleep(5)  # its subscriptions fetch each rank's full KV-event dump
+    sdk = openai.OpenAI(base_url=pd_cluster.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+    sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert routed_match_sum(pd_cluster) > 0.5  # its first request already matched most of the prompt
