@@ -20,6 +20,7 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.deepseek import ExpertRange
 from pdserve.model.loader import load_model
 from pdserve.model.tokenizer import load_prompt_encoder
+from pdserve.ops.moe import MoEBackend
 from pdserve.ops.select import select_backends
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class EngineStats:
     prefix_hits_tokens: int
     prompt_tokens: int
     generation_tokens: int
+    expert_weight_bytes: int = 0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -73,13 +75,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 class Engine:
     def __init__(self, cfg: EngineConfig, experts: ExpertRange | None = None,
-                 on_kv_events: Callable[[list[KVEvent]], None] | None = None):
+                 on_kv_events: Callable[[list[KVEvent]], None] | None = None, moe: MoEBackend | None = None):
+        """`experts`: the routed experts this rank loads (default all); `moe`: a backend replacing the configured
+        one (expert parallelism passes its exchange here)."""
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.model_config = ModelConfig.from_dir(cfg.model)
         self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
         backends = select_backends(cfg.attention_backend, cfg.moe_backend, self.device, self.dtype)
+        if moe is not None:
+            backends = replace(backends, moe=moe)
         model = load_model(cfg.model, self.model_config, backends, self.device, self.dtype, experts, cfg.progress)
         num_pages = cfg.num_pages or self._pages_that_fit()
         self.runner = ModelRunner(model, num_pages, cfg.page_size, self.device, self.dtype)
@@ -95,7 +101,9 @@ class Engine:
         self._seed_source = torch.Generator().manual_seed(cfg.seed)
         self._prefix_queries_tokens = self._prefix_hits_tokens = 0
         self._prompt_tokens = self._generation_tokens = 0
-        log.info("engine ready: %s pages of %s tokens on %s (%s)", num_pages, cfg.page_size, self.device, self.dtype)
+        log.info("engine ready: %s pages of %s tokens on %s (%s); routed experts [%s, +%s): %s bytes", num_pages,
+                 cfg.page_size, self.device, self.dtype, model.expert_range.first, model.expert_range.count,
+                 model.routed_expert_bytes())
 
     def _pages_that_fit(self) -> int:
         mc = self.model_config
@@ -205,14 +213,19 @@ class Engine:
             prefix_hits_tokens=self._prefix_hits_tokens,
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
+            expert_weight_bytes=self.runner.model.routed_expert_bytes(),
         )
 
     # --- the step -------------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, force_forward: bool = False) -> list[RequestOutput]:
+        """One scheduled forward pass. `force_forward` runs it even with nothing scheduled (an empty batch), so
+        that expert-parallel ranks stepping in lockstep all join the same collectives."""
         scheduled = self.scheduler.schedule()
-        if not scheduled:
+        if not scheduled and not force_forward:
             return []
         logits = self.runner.execute(scheduled)
+        if not scheduled:
+            return []
         self.scheduler.advance(scheduled)
         sampling_seqs = [seq.request for seq in scheduled if seq.request.num_pending_tokens == 0]
         if not sampling_seqs:

@@ -19,7 +19,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """Run the step; returns float32 logits [num sampling seqs, vocab] in the order of `scheduled`."""
+        """Run the step; returns float32 logits [num sampling seqs, vocab] in the order of `scheduled`.
+
+        An empty `scheduled` runs a forward pass over zero tokens: under expert parallelism an idle rank still has
+        to join every MoE exchange of its peers' step."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -37,8 +40,9 @@ class ModelRunner:
             page_tables.append(request.page_ids)
             if seq.samples:
                 sample_rows.append(len(input_ids) - 1)
-        max_pages = max(len(p) for p in page_tables)
-        page_table = torch.tensor([p + [0] * (max_pages - len(p)) for p in page_tables], dtype=torch.int64)
+        max_pages = max((len(p) for p in page_tables), default=0)
+        page_table = torch.tensor([p + [0] * (max_pages - len(p)) for p in page_tables], dtype=torch.int64).view(
+            len(page_tables), max_pages)
         batch = AttentionBatch(
             query_lens=query_lens,
             kv_lens=kv_lens,

@@ -203,6 +203,10 @@ class DeepseekForCausalLM(nn.Module):
             x = layer(x, cos, sin, self.rope, kv_cache[layer_idx], batch, self.backends)
         return self.model.norm(x)
 
+    def routed_expert_bytes(self) -> int:
+        """Memory held by this rank's routed expert weights (what expert parallelism divides)."""
+        return sum(p.numel() * p.element_size() for name, p in self.named_parameters() if ".experts.w" in name)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden, weight).to(torch.float32)

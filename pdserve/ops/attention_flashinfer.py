@@ -24,6 +24,8 @@ class FlashInferMLA:
         self._plan_token: object | None = None  # names the batch the wrapper is planned for
 
     def forward(self, q_latent, q_pe, latent, k_pe, kv_cache, batch: AttentionBatch, softmax_scale: float):
+        if not batch.query_lens:  # an idle expert-parallel rank's empty step: nothing to plan or attend
+            return torch.empty_like(q_latent)
         write_kv(kv_cache, latent, k_pe, batch.slot_mapping)
         if self._plan_token is None or batch.plans.get(PLAN_KEY) is not self._plan_token:
             self._plan(q_latent, q_pe, kv_cache, batch, softmax_scale)

@@ -12,6 +12,7 @@ class WorkerConfig:
     engine: EngineConfig
     role: Role = "both"
     num_ranks: int = 1
+    expert_parallel: bool = False  # the ranks form one instance sharing the routed experts
     host: str = "127.0.0.1"
     port: int = 8100
     advertise_url: str | None = None  # how peers reach this worker; default http://host:port
@@ -29,6 +30,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="Hugging Face model directory (default: a generated tiny model)")
     parser.add_argument("--role", choices=("prefill", "decode", "both"), default="both")
     parser.add_argument("--ranks", type=int, default=1, help="DP attention ranks in this worker")
+    parser.add_argument("--expert-parallel", action="store_true",
+                        help="the ranks form one instance: each holds 1/RANKS of the routed experts (DP attention)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--advertise-url", help="URL peers use to reach this worker (default http://HOST:PORT)")
@@ -55,7 +58,7 @@ def worker_config_from_args(args: argparse.Namespace, model_dir: str) -> WorkerC
         max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache, progress=False,
     )
     return WorkerConfig(
-        engine=engine, role=args.role, num_ranks=args.ranks, host=args.host, port=args.port,
+        engine=engine, role=args.role, num_ranks=args.ranks, expert_parallel=args.expert_parallel, host=args.host, port=args.port,
         advertise_url=args.advertise_url, ray_address=args.ray_address, served_model_name=args.served_model_name,
         transfer_timeout_s=args.transfer_timeout_s, drain_timeout_s=args.drain_timeout_s,
     )

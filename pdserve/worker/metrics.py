@@ -38,6 +38,8 @@ class WorkerMetrics:
                 "Fraction of KV pages in use (prefix-cache pages count as used)",
                 lambda s, c: 1.0 - s["free_pages"] / max(1, s["total_pages"]),
             ),
+            "pdserve_expert_weight_bytes": ("Routed expert weights this rank holds",
+                                            lambda s, c: s.get("expert_weight_bytes", 0)),
         }
         counters = {
             "pdserve_prefix_cache_queries_tokens": ("Prompt tokens looked up in the prefix cache",

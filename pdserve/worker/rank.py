@@ -26,6 +26,10 @@ import httpx
 from pdserve.cache.events import KVEvent
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine, InvalidRequestError, NoCapacityError, RequestOutput
+from pdserve.engine.lockstep import Lockstep
+from pdserve.model.config import ModelConfig
+from pdserve.model.deepseek import ExpertRange
+from pdserve.ops.moe_ep import ExpertParallelMoE
 from pdserve.transfer.agent import KVTransferAgent, TransferError, TransferHandle
 from pdserve.worker.client import WorkerClient, WorkerUnavailable
 from pdserve.worker.protocol import (
@@ -52,6 +56,12 @@ class RankConfig:
     worker_url: str  # where peers reach this rank's worker (metadata, generate)
     transfer_timeout_s: float = 30.0
     prefill_timeout_s: float = 120.0
+    world_size: int = 1  # ranks of this worker
+    expert_parallel: bool = False  # the ranks share the routed experts over the default process group
+
+
+class InstanceBroken(RuntimeError):
+    """An expert-parallel rank lost its peers (a collective failed); the instance must be re-formed."""
 
 
 @dataclass
@@ -75,7 +85,11 @@ class RankRuntime:
         self.cfg = cfg
         self._kv_batches: deque[KVEventBatch] = deque(maxlen=KV_EVENT_HISTORY)
         self._kv_seq = 0
-        self.engine = Engine(cfg.engine, on_kv_events=self._record_kv_events)
+        self.lockstep: Lockstep | None = None
+        if cfg.expert_parallel:
+            self.engine, self.lockstep = self._expert_parallel_engine(cfg)
+        else:
+            self.engine = Engine(cfg.engine, on_kv_events=self._record_kv_events)
         name = f"{cfg.role}-r{cfg.rank}-{uuid.uuid4().hex[:12]}"  # new per start: peers re-learn a restarted rank
         self.agent = KVTransferAgent(name, self.engine.runner.kv_cache, progress_thread=False)
         self.counters = RankCounters()
@@ -89,6 +103,17 @@ class RankRuntime:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._http = httpx.AsyncClient()
+        self._broken: str | None = None
+
+    def _expert_parallel_engine(self, cfg: RankConfig) -> tuple[Engine, Lockstep]:
+        """This rank's experts and the exchange over the default process group (the actor has joined it)."""
+        num_experts = ModelConfig.from_dir(cfg.engine.model).n_routed_experts
+        moe = ExpertParallelMoE(None, num_experts)
+        experts = ExpertRange(moe.first_expert, moe.experts_per_rank)
+        engine = Engine(cfg.engine, experts, self._record_kv_events, moe=moe)
+        log.info("rank %s of %s: routed experts [%s, %s), %.1f MiB of expert weights", cfg.rank, cfg.world_size,
+                 experts.first, experts.first + experts.count, engine.runner.model.routed_expert_bytes() / 2**20)
+        return engine, Lockstep(None, engine.device)
 
     # --- lifecycle --------------------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -232,8 +257,12 @@ class RankRuntime:
 
     # --- the step thread --------------------------------------------------------------------------------------
     async def _call(self, fn: Callable[[], T]) -> T:
+        if self._broken is not None:
+            raise InstanceBroken(self._broken)
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((fn, future))
+        if self._broken is not None:  # broke while we queued: fail what the step thread will never run
+            self._break(self._broken)
         return await asyncio.wrap_future(future)
 
     def _run(self) -> None:
@@ -241,12 +270,32 @@ class RankRuntime:
             idle = not (self.engine.has_work() or self._transfers)
             self._run_commands(block=idle)
             try:
-                for output in self.engine.step():
+                for output in self._step():
                     self._route_output(output)
                 self._progress_transfers()
             except Exception:  # noqa: BLE001 - a step failure must reach every caller, not kill the thread silently
                 log.exception("rank %s step failed", self.cfg.rank)
                 self._fail_everything("engine step failed")
+                if self.lockstep is not None:  # a peer is gone: no later collective can succeed
+                    self._break(f"rank {self.cfg.rank} lost its expert-parallel peers")
+                    return
+
+    def _step(self) -> list[RequestOutput]:
+        if self.lockstep is None:
+            return self.engine.step()
+        busy = self.lockstep.any_rank_busy(self.engine.has_work() or bool(self._transfers))
+        return self.engine.step(force_forward=True) if busy else []
+
+    def _break(self, message: str) -> None:
+        """Stop taking work and fail whatever is queued, so no caller waits on a step thread that has ended."""
+        self._broken = message
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                future.set_exception(InstanceBroken(message))
 
     def _run_commands(self, block: bool) -> None:
         try:

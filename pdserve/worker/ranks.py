@@ -5,20 +5,26 @@ Only msgspec-encoded bytes cross into and out of the actors.
 
 import asyncio
 import logging
+import os
+import socket
 from collections.abc import AsyncIterator
+from datetime import timedelta
 
 import msgspec
 import ray
 import torch
-from ray.util.placement_group import placement_group
+import torch.distributed as dist
+from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from pdserve.engine.engine import resolve_device
 from pdserve.worker.protocol import GenerateRequest, KVEventBatch, RankInfo, RankLoad, TokenEvent, TransferMetadata
 from pdserve.worker.rank import RankConfig, RankCounters, RankRuntime
 
 log = logging.getLogger(__name__)
 RANK_START_TIMEOUT_S = 600.0
 MAX_RANK_RESTARTS = 3
+PROCESS_GROUP_TIMEOUT_S = 60.0  # a collective waiting longer than this on a peer fails instead of hanging
 
 
 @ray.remote(max_restarts=MAX_RANK_RESTARTS, max_task_retries=0, max_concurrency=1000)
@@ -27,11 +33,34 @@ class RankActor:
         cfg = msgspec.json.decode(cfg_json, type=RankConfig)
         if cfg.engine.device == "cpu" or not torch.cuda.is_available():
             torch.set_num_threads(1)  # ranks share the host's cores; one thread each avoids oversubscription
-        self.runtime = RankRuntime(cfg)
+        self.cfg = cfg
+        # An expert-parallel rank builds its runtime in join(), once every rank of its instance exists.
+        self.runtime: RankRuntime | None = None if cfg.expert_parallel else RankRuntime(cfg)
 
     def _started(self) -> RankRuntime:
+        if self.runtime is None:
+            raise RuntimeError(f"rank {self.cfg.rank} has not joined its expert-parallel instance")
         self.runtime.start(asyncio.get_running_loop())
         return self.runtime
+
+    async def rendezvous_address(self) -> str:
+        """host:port where this (rank 0) actor's node can host the process group's store."""
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return f"{ray.util.get_node_ip_address()}:{port}"
+
+    async def join(self, address: str) -> None:
+        await asyncio.to_thread(self._join, address)
+
+    def _join(self, address: str) -> None:
+        backend = "nccl" if resolve_device(self.cfg.engine.device).type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{address}", rank=self.cfg.rank,
+                                world_size=self.cfg.world_size, timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
+        self.runtime = RankRuntime(self.cfg)
+
+    async def pid(self) -> int:
+        return os.getpid()
 
     async def info(self) -> bytes:
         return msgspec.json.encode(self._started().info())
@@ -91,6 +120,18 @@ class RankHandle:
         raw = await asyncio.wait_for(self.actor.transfer_metadata.remote(), timeout_s)
         return msgspec.json.decode(raw, type=TransferMetadata)
 
+    async def rendezvous_address(self, timeout_s: float) -> str:
+        return await asyncio.wait_for(self.actor.rendezvous_address.remote(), timeout_s)
+
+    async def join(self, address: str, timeout_s: float) -> None:
+        await asyncio.wait_for(self.actor.join.remote(address), timeout_s)
+
+    async def pid(self, timeout_s: float) -> int:
+        return await asyncio.wait_for(self.actor.pid.remote(), timeout_s)
+
+    def kill(self) -> None:
+        ray.kill(self.actor, no_restart=True)
+
 
 def connect_ray(address: str | None) -> None:
     if ray.is_initialized():
@@ -99,16 +140,27 @@ def connect_ray(address: str | None) -> None:
              logging_level=logging.WARNING, namespace="pdserve")
 
 
-def start_ranks(rank_configs: list[RankConfig], use_gpus: bool) -> list[RankHandle]:
-    """One actor per rank, packed by a placement group (spanning nodes when one cannot hold them all)."""
+def place_ranks(num_ranks: int, use_gpus: bool) -> PlacementGroup:
+    """A placement group of one bundle per rank, packed (spanning nodes when one cannot hold them all)."""
     bundle = {"GPU": 1} if use_gpus else {"CPU": 0.01}
-    group = placement_group([dict(bundle) for _ in rank_configs], strategy="PACK")
+    group = placement_group([dict(bundle) for _ in range(num_ranks)], strategy="PACK")
     ray.get(group.ready(), timeout=RANK_START_TIMEOUT_S)
+    return group
+
+
+def start_actors(group: PlacementGroup, rank_configs: list[RankConfig], use_gpus: bool,
+                 max_restarts: int) -> list[RankHandle]:
     handles = []
     for index, cfg in enumerate(rank_configs):
         actor = RankActor.options(
-            num_cpus=0 if use_gpus else 0.01, num_gpus=1 if use_gpus else 0,
+            num_cpus=0 if use_gpus else 0.01, num_gpus=1 if use_gpus else 0, max_restarts=max_restarts,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
         ).remote(msgspec.json.encode(cfg))
         handles.append(RankHandle(cfg.rank, actor))
     return handles
+
+
+def start_ranks(rank_configs: list[RankConfig], use_gpus: bool) -> list[RankHandle]:
+    """Independent DP ranks: one actor each, which Ray restarts on its own when it dies."""
+    group = place_ranks(len(rank_configs), use_gpus)
+    return start_actors(group, rank_configs, use_gpus, MAX_RANK_RESTARTS)

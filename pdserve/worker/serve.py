@@ -10,6 +10,7 @@ import uvicorn
 from pdserve.model.config import ModelConfig
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.protocol import API_VERSION, WorkerInfo
+from pdserve.worker.instance import ExpertParallelInstance
 from pdserve.worker.rank import RankConfig
 from pdserve.worker.ranks import RANK_START_TIMEOUT_S, connect_ray, start_ranks
 from pdserve.worker.server import RankSet, build_worker_app
@@ -21,11 +22,20 @@ def run_worker(cfg: WorkerConfig) -> None:
     connect_ray(cfg.ray_address)
     use_gpus = ray.cluster_resources().get("GPU", 0) >= cfg.num_ranks and cfg.engine.device != "cpu"
     rank_configs = [
-        RankConfig(rank=i, role=cfg.role, engine=cfg.engine, worker_url=cfg.url, transfer_timeout_s=cfg.transfer_timeout_s)
+        RankConfig(rank=i, role=cfg.role, engine=cfg.engine, worker_url=cfg.url,
+                   transfer_timeout_s=cfg.transfer_timeout_s, world_size=cfg.num_ranks,
+                   expert_parallel=cfg.expert_parallel)
         for i in range(cfg.num_ranks)
     ]
-    handles = start_ranks(rank_configs, use_gpus)
-    print(f"pdserve worker: loading {cfg.engine.model} on {cfg.num_ranks} rank(s) ...", flush=True)
+    mode = " (one expert-parallel instance)" if cfg.expert_parallel else ""
+    print(f"pdserve worker: loading {cfg.engine.model} on {cfg.num_ranks} rank(s){mode} ...", flush=True)
+    if cfg.expert_parallel:
+        instance = ExpertParallelInstance(rank_configs, use_gpus)
+        handles = asyncio.run(instance.start())
+        rank_set = RankSet(handles, restart=instance.restart)
+    else:
+        handles = start_ranks(rank_configs, use_gpus)
+        rank_set = RankSet(handles)
     infos = asyncio.run(_gather_infos(handles))
     model_cfg = ModelConfig.from_dir(cfg.engine.model)
     info = WorkerInfo(
@@ -35,7 +45,7 @@ def run_worker(cfg: WorkerConfig) -> None:
         max_model_len=cfg.engine.max_model_len or model_cfg.max_position_embeddings,
         ranks=infos,
     )
-    app = build_worker_app(cfg, RankSet(handles), info)
+    app = build_worker_app(cfg, rank_set, info)
     print(f"pdserve worker: {cfg.role} serving on {cfg.url}", flush=True)
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning",
                 timeout_graceful_shutdown=int(cfg.drain_timeout_s))

@@ -4,7 +4,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -31,12 +31,15 @@ KV_EVENT_POLL_S = 0.05
 
 
 class RankSet:
-    """The worker's ranks and what is known of their health."""
+    """The worker's ranks and what is known of their health. `restart`, when given (an expert-parallel instance),
+    replaces every rank as soon as one stops answering; the worker is unhealthy until the new ranks answer."""
 
-    def __init__(self, handles: list[RankHandle]):
+    def __init__(self, handles: list[RankHandle],
+                 restart: Callable[[], Awaitable[list[RankHandle]]] | None = None):
         self.handles = handles
         self.healthy = [True] * len(handles)
         self.draining = False
+        self._restart = restart
 
     @property
     def status(self) -> str:
@@ -55,6 +58,12 @@ class RankSet:
                     if self.healthy[index]:
                         log.warning("rank %s is not answering", handle.rank)
                     self.healthy[index] = False
+            if self._restart is not None and not all(self.healthy):
+                try:
+                    self.handles = await self._restart()
+                except Exception:  # noqa: BLE001 - retried on the next round; the worker stays unhealthy
+                    log.exception("restarting the ranks failed")
+                continue  # health is re-read from the new ranks before the worker reports ok
             await asyncio.sleep(HEALTH_INTERVAL_S)
 
 

@@ -1,0 +1,102 @@
+"""Expert-parallel engines in lockstep (gloo, 2 and 4 processes) generate exactly what one engine with every expert does."""
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.llm import LLM
+from pdserve.engine.lockstep import Lockstep
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.model.config import ModelConfig
+from pdserve.model.deepseek import ExpertRange
+from pdserve.ops.moe_ep import ExpertParallelMoE, expert_owner_range
+
+SAMPLING = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def prompts_for(world_size: int) -> list[list[list[int]]]:
+    """Uneven load: rank r gets r+1 prompts of different lengths, except the last rank of 4, which stays idle."""
+    gen = torch.Generator().manual_seed(3)
+    per_rank = []
+    for rank in range(world_size):
+        count = 0 if world_size == 4 and rank == world_size - 1 else rank + 1
+        per_rank.append([torch.randint(3, 200, (5 + 7 * i + rank,), generator=gen).tolist() for i in range(count)])
+    return per_rank
+
+
+def _rank_main(rank: int, world_size: int, port: int, model: str, prompts: list[list[int]], results) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        num_experts = ModelConfig.from_dir(model).n_routed_experts
+        experts = ExpertRange(*expert_owner_range(rank, world_size, num_experts))
+        moe = ExpertParallelMoE(None, num_experts)
+        engine = Engine(EngineConfig(model=model, dtype="float32", device="cpu", num_pages=64, progress=False),
+                        experts=experts, moe=moe)
+        for i, ids in enumerate(prompts):
+            engine.add_request(f"r{rank}-{i}", ids, SAMPLING)
+        tokens: dict[str, list[int]] = {f"r{rank}-{i}": [] for i in range(len(prompts))}
+        lockstep, steps = Lockstep(None, torch.device("cpu")), 0
+        while lockstep.any_rank_busy(engine.has_work()) and steps < 100:
+            steps += 1
+            for out in engine.step(force_forward=True):
+                tokens[out.request_id].extend(out.new_token_ids)
+        results.put((rank, [tokens[f"r{rank}-{i}"] for i in range(len(prompts))], steps,
+                     engine.stats().expert_weight_bytes))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_instance(model: str, per_rank: list[list[list[int]]]) -> dict:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, len(per_rank), port, model, prompts, results))
+             for r, prompts in enumerate(per_rank)]
+    for proc in procs:
+        proc.start()
+    try:
+        got = {}
+        for _ in procs:
+            rank, *rest = results.get(timeout=90)
+            got[rank] = rest
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    return got
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("arch", "world_size"), [("v2", 2), ("v3", 4)])
+def test_expert_parallel_greedy_tokens_equal_one_rank_with_all_experts(tiny_model_factory, arch, world_size):
+    model = tiny_model_factory(arch)
+    per_rank = prompts_for(world_size)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the ranks: BLAS results may depend on the thread count
+    try:
+        llm = LLM(model, dtype="float32", device="cpu", num_pages=64, progress=False)
+        flat = [ids for prompts in per_rank for ids in prompts]
+        expected = iter([r.token_ids for r in llm.generate(prompt_token_ids=flat, sampling=SAMPLING)])
+        all_expert_bytes = llm.engine.stats().expert_weight_bytes
+    finally:
+        torch.set_num_threads(threads)
+    got = run_instance(model, per_rank)
+    steps = {got[rank][1] for rank in got}
+    assert len(steps) == 1, f"ranks ran different numbers of forward passes: {steps}"
+    for rank, prompts in enumerate(per_rank):
+        tokens, _, expert_bytes = got[rank]
+        assert tokens == [next(expected) for _ in prompts], f"rank {rank}"
+        assert expert_bytes * world_size == all_expert_bytes

@@ -1,0 +1,92 @@
+"""The expert-parallel MoE over gloo (2 and 4 processes) against TorchMoE holding every expert."""
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pdserve.ops.moe import TorchMoE
+from pdserve.ops.moe_ep import ExpertParallelMoE, expert_owner_range
+
+NUM_EXPERTS, HIDDEN, INTER, TOP_K = 8, 32, 16, 3
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def random_problem(tokens_per_rank: list[int]):
+    """Every rank's inputs and the full expert weights, from one seed so all processes agree."""
+    gen = torch.Generator().manual_seed(7)
+    w13 = torch.randn(NUM_EXPERTS, 2 * INTER, HIDDEN, generator=gen) / HIDDEN**0.5
+    w2 = torch.randn(NUM_EXPERTS, HIDDEN, INTER, generator=gen) / INTER**0.5
+    inputs = []
+    for num_tokens in tokens_per_rank:
+        x = torch.randn(num_tokens, HIDDEN, generator=gen)
+        ids = torch.stack([torch.randperm(NUM_EXPERTS, generator=gen)[:TOP_K] for _ in range(num_tokens)]) \
+            if num_tokens else torch.empty(0, TOP_K, dtype=torch.int64)
+        weights = torch.rand(num_tokens, TOP_K, generator=gen)
+        inputs.append((x, ids, weights))
+    return w13, w2, inputs
+
+
+def _rank_main(rank: int, world_size: int, port: int, tokens_per_rank: list[int], results) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        w13, w2, inputs = random_problem(tokens_per_rank)
+        first, count = expert_owner_range(rank, world_size, NUM_EXPERTS)
+        backend = ExpertParallelMoE(None, NUM_EXPERTS)
+        x, ids, weights = inputs[rank]
+        outs = [backend.forward(x, ids, weights, w13[first:first + count], w2[first:first + count], first)
+                for _ in range(2)]  # twice: the second call reuses the same group state
+        results.put((rank, outs[0], torch.equal(outs[0], outs[1]), backend.exchange.calls))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(tokens_per_rank: list[int]) -> dict:
+    world_size = len(tokens_per_rank)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, tokens_per_rank, results))
+             for r in range(world_size)]
+    for proc in procs:
+        proc.start()
+    try:
+        got = {}
+        for _ in range(world_size):
+            rank, out, repeatable, calls = results.get(timeout=60)
+            got[rank] = (out, repeatable, calls)
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    return got
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tokens_per_rank", [[5, 9], [7, 0, 12, 3]], ids=["world2", "world4-one-empty"])
+def test_expert_parallel_moe_equals_torch_moe_with_all_experts(tokens_per_rank):
+    w13, w2, inputs = random_problem(tokens_per_rank)
+    x = torch.cat([i[0] for i in inputs])
+    ids = torch.cat([i[1] for i in inputs])
+    weights = torch.cat([i[2] for i in inputs])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the ranks: BLAS results may depend on the thread count
+    try:
+        expected = TorchMoE().forward(x, ids, weights, w13, w2, 0).split(tokens_per_rank)
+    finally:
+        torch.set_num_threads(threads)
+    got = run_ranks(tokens_per_rank)
+    for rank, num_tokens in enumerate(tokens_per_rank):
+        out, repeatable, calls = got[rank]
+        assert out.shape == (num_tokens, HIDDEN)
+        assert torch.equal(out, expected[rank]), f"rank {rank} differs by {(out - expected[rank]).abs().max()}"
+        assert repeatable and calls == 2

@@ -1,0 +1,157 @@
+"""A real `pdserve worker --ranks 2 --expert-parallel` over Ray: both ranks serve the offline engine's tokens; a
+killed rank makes the worker unhealthy, the instance restarts, nothing hangs, and it serves the same tokens again."""
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from pdserve.engine.llm import LLM
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.worker.client import WorkerClient
+from pdserve.worker.protocol import GenerateRequest, TokenEvent
+
+SAMPLING = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+PROMPTS = {0: [[5, 17, 42, 9, 100, 3], [77, 8, 8, 61]], 1: [[12, 13, 14, 15, 16, 17, 18, 19, 20]]}
+START_TIMEOUT_S = 180.0
+REQUEST_TIMEOUT_S = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def rank_actor_pids(worker_pid: int) -> list[int]:
+    """Ray titles an actor's process `ray::RankActor...`; the worker started this Ray, so its actors descend from it."""
+    pids = []
+    for pid in descendants(worker_pid):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::RankActor"):
+                pids.append(pid)
+        except OSError:
+            continue
+    return pids
+
+
+def wait_for(check, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if result := check():
+            return result
+        time.sleep(0.25)
+    raise TimeoutError(f"{what} within {timeout_s} s")
+
+
+def health_status(url: str) -> int | None:
+    try:
+        return httpx.get(url + "/health", timeout=2.0).status_code
+    except httpx.HTTPError:
+        return None
+
+
+async def generate(url: str, rank: int, prompt: list[int], request_id: str,
+                   sampling: SamplingParams = SAMPLING) -> list[TokenEvent]:
+    async with httpx.AsyncClient() as http:
+        request = GenerateRequest(request_id, rank, prompt, sampling)
+        return [event async for event in WorkerClient(url, http, 10.0).generate(request, REQUEST_TIMEOUT_S)]
+
+
+async def generate_all(url: str, tag: str) -> dict[int, list[list[int]]]:
+    jobs = {(rank, i): generate(url, rank, prompt, f"{tag}-{rank}-{i}")
+            for rank, prompts in PROMPTS.items() for i, prompt in enumerate(prompts)}
+    results = await asyncio.wait_for(asyncio.gather(*jobs.values()), REQUEST_TIMEOUT_S)
+    by_key = dict(zip(jobs, results))
+    for events in results:
+        assert events[-1].finish_reason == "length", events[-1]
+    return {rank: [[t for e in by_key[(rank, i)] for t in e.token_ids] for i in range(len(prompts))]
+            for rank, prompts in PROMPTS.items()}
+
+
+@pytest.fixture(scope="module")
+def ep_worker(tiny_v2, tmp_path_factory):
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("ep-worker") / "worker.log"
+    command = [sys.executable, "-m", "pdserve", "worker", "--ranks", "2", "--expert-parallel", "--model", tiny_v2,
+               "--port", str(port), "--dtype", "float32", "--num-pages", "64"]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: health_status(url) == 200 or process.poll() is not None, START_TIMEOUT_S, "worker healthy")
+        assert process.poll() is None, log_path.read_text()[-3000:]
+        yield url, process
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)  # the session this test started: the worker and its Ray
+            process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def offline_tokens(tiny_v2) -> dict[int, list[list[int]]]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the rank actors: BLAS results may depend on the thread count
+    try:
+        llm = LLM(tiny_v2, dtype="float32", device="cpu", num_pages=64, progress=False)
+        return {rank: [r.token_ids for r in llm.generate(prompt_token_ids=prompts, sampling=SAMPLING)]
+                for rank, prompts in PROMPTS.items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.timeout(400)
+def test_expert_parallel_worker_serves_offline_tokens_and_restarts_after_a_rank_dies(ep_worker, offline_tokens):
+    url, process = ep_worker
+    assert asyncio.run(generate_all(url, "before")) == offline_tokens
+
+    metrics = httpx.get(url + "/metrics", timeout=10.0).text
+    expert_bytes = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                    if line.startswith("pdserve_expert_weight_bytes{")]
+    assert len(expert_bytes) == 2 and expert_bytes[0] == expert_bytes[1] > 0
+
+    actor_pids = wait_for(lambda: len(p := rank_actor_pids(process.pid)) == 2 and p, 10.0, "two rank actors")
+
+    async def kill_mid_stream() -> list[TokenEvent]:
+        long = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+        stream = asyncio.create_task(generate(url, 1, PROMPTS[1][0], "killed", long))
+        await asyncio.sleep(1.0)  # the request is decoding on rank 1 (and so exchanging with rank 0)
+        os.kill(actor_pids[0], signal.SIGKILL)
+        return await asyncio.wait_for(stream, REQUEST_TIMEOUT_S)
+
+    events = asyncio.run(kill_mid_stream())
+    assert events[-1].finish_reason == "error", "the stream of a broken instance must end with an error"
+    wait_for(lambda: health_status(url) == 503, 30.0, "worker reports unhealthy")
+    wait_for(lambda: health_status(url) == 200, START_TIMEOUT_S, "worker healthy again after the restart")
+    new_pids = rank_actor_pids(process.pid)
+    assert len(new_pids) == 2 and not set(new_pids) & set(actor_pids), "every rank is a new process"
+    assert asyncio.run(generate_all(url, "after")) == offline_tokens
