@@ -29,14 +29,15 @@ def run_benchmark(url: str, workload: WorkloadConfig, slo: SLO, limits: RunLimit
     requests = generate_workload(workload)
     workers = worker_urls(url)
     before = scrape_prefix_counters(workers)
-    bar = tqdm(total=len(requests), desc=label or "bench", unit="req", disable=not progress, file=sys.stderr)
+    bar = tqdm(total=len(requests), desc=label or "bench", unit="req", disable=not progress, file=sys.stderr,
+               mininterval=2.0)
     failures = 0
 
     def on_done(result: RequestResult) -> None:
         nonlocal failures
         failures += not result.ok
         bar.update(1)
-        bar.set_postfix(failed=failures)
+        bar.set_postfix(failed=failures, refresh=False)
 
     try:
         results, duration_s = asyncio.run(run_workload(url, requests, workload, limits, on_done))
