@@ -8,6 +8,7 @@ rate both ran, and a comparison table at that rate.
 """
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 from pdserve.bench.client import RunLimits
@@ -49,6 +50,9 @@ def main() -> int:
     for name, roles in DEPLOYMENTS.items():
         cfg = ClusterConfig(model, port=0, worker_args=tuple(args.worker_args.split()), **roles)
         with LocalCluster(cfg) as cluster:
+            # Warm-up with another seed, so first-call costs (allocations, lazy init) stay out of the figures.
+            run_benchmark(cluster.url, replace(workload, seed=args.seed + 1000, num_requests=8, request_rate=None,
+                                               max_concurrency=2, long_fraction=0.5), slo, progress=False)
             sweeps[name] = sweep_rates(
                 lambda w, name=name, url=cluster.url: run_benchmark(
                     url, w, slo, RunLimits(request_timeout_s=300.0, run_timeout_s=1200.0),
