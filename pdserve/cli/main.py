@@ -4,6 +4,7 @@ import argparse
 import logging
 import sys
 
+from pdserve.cli.bench import add_bench_parser
 from pdserve.cli.generate import add_generate_parser
 from pdserve.cli.make_tiny_model import add_make_tiny_model_parser
 from pdserve.cli.router import add_router_parser
@@ -20,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_worker_parser(subparsers)
     add_router_parser(subparsers)
     add_up_parser(subparsers)
+    add_bench_parser(subparsers)
     return parser
 
 

@@ -1,0 +1,123 @@
+"""Replays a workload against an OpenAI-compatible router over streaming /v1/completions, timing every token.
+
+Token counts come from the `return_token_ids` extension, so they are exact even when one SSE chunk carries several
+tokens (such tokens share the chunk's arrival time, so their inter-token gaps are 0).
+"""
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from pdserve.bench.workload import BenchRequest, WorkloadConfig
+
+
+@dataclass
+class RequestResult:
+    index: int
+    ok: bool
+    error: str = ""
+    send_s: float = 0.0  # when it was sent, from the start of the run
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)  # gaps between consecutive output tokens
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens as the router reports it
+
+
+async def served_model(http: httpx.AsyncClient, url: str) -> str:
+    response = await http.get(url + "/v1/models")
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+async def send_request(http: httpx.AsyncClient, url: str, model: str, request: BenchRequest, run_start: float,
+                       timeout_s: float) -> RequestResult:
+    body = {
+        "model": model, "prompt": list(request.prompt_token_ids), "max_tokens": request.max_tokens,
+        "temperature": 0.0, "ignore_eos": True, "min_tokens": request.max_tokens, "return_token_ids": True,
+        "stream": True, "stream_options": {"include_usage": True},
+    }
+    sent = time.perf_counter()
+    result = RequestResult(index=request.index, ok=False, send_s=sent - run_start)
+    token_times: list[float] = []
+    try:
+        await asyncio.wait_for(_stream(http, url, body, result, token_times), timeout_s)
+    except (httpx.HTTPError, asyncio.TimeoutError, json.JSONDecodeError) as error:
+        result.error = f"{type(error).__name__}: {error}"
+        return result
+    if result.error:
+        return result
+    result.e2e_s = time.perf_counter() - sent
+    result.output_tokens = len(token_times)
+    if token_times:
+        result.ttft_s = token_times[0] - sent
+        result.itl_s = [later - earlier for earlier, later in zip(token_times, token_times[1:])]
+    result.ok = result.output_tokens == request.max_tokens
+    if not result.ok:
+        result.error = f"expected {request.max_tokens} tokens, got {result.output_tokens}"
+    return result
+
+
+async def _stream(http: httpx.AsyncClient, url: str, body: dict, result: RequestResult,
+                  token_times: list[float]) -> None:
+    async with http.stream("POST", url + "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            result.error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
+            return
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            now = time.perf_counter()
+            for choice in chunk.get("choices", []):
+                token_times.extend([now] * len(choice.get("token_ids") or []))
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+                result.prompt_tokens = usage.get("prompt_tokens", 0)
+                result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+@dataclass(frozen=True)
+class RunLimits:
+    request_timeout_s: float = 300.0
+    run_timeout_s: float = 3600.0  # the whole run; requests still out then are cancelled and count as failed
+
+
+async def run_workload(url: str, requests: list[BenchRequest], cfg: WorkloadConfig, limits: RunLimits,
+                       on_done: Callable[[RequestResult], None] | None = None) -> tuple[list[RequestResult], float]:
+    """Send every request at its arrival time (or once a concurrency slot and its previous turn are free).
+    Returns the results in request order and the run's duration in seconds."""
+    slots = asyncio.Semaphore(cfg.max_concurrency or len(requests))
+    finished = {request.index: asyncio.Event() for request in requests}
+    results: dict[int, RequestResult] = {}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(limits.request_timeout_s),
+                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)) as http:
+        model = await served_model(http, url)
+        run_start = time.perf_counter()
+
+        async def one(request: BenchRequest) -> None:
+            try:
+                await asyncio.sleep(max(0.0, run_start + request.arrival_s - time.perf_counter()))
+                if request.previous_turn is not None:
+                    await finished[request.previous_turn].wait()
+                async with slots:
+                    results[request.index] = await send_request(http, url, model, request, run_start,
+                                                                limits.request_timeout_s)
+                if on_done is not None:
+                    on_done(results[request.index])
+            finally:
+                finished[request.index].set()
+
+        tasks = [asyncio.create_task(one(request)) for request in requests]
+        _, pending = await asyncio.wait(tasks, timeout=limits.run_timeout_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        duration_s = time.perf_counter() - run_start
+    ordered = [results.get(r.index) or RequestResult(index=r.index, ok=False, error="run timed out") for r in requests]
+    return ordered, duration_s

@@ -1,0 +1,57 @@
+"""One benchmark run against a router URL: scrape the workers' counters, replay the workload with a progress bar,
+scrape again, and assemble the result (config, summary, per-request records)."""
+
+import asyncio
+import sys
+from dataclasses import asdict
+from urllib.parse import urlparse
+
+from tqdm import tqdm
+
+from pdserve.bench.client import RequestResult, RunLimits, run_workload
+from pdserve.bench.report import SLO, summarize
+from pdserve.bench.worker_metrics import hit_ratio_between, scrape_prefix_counters, worker_urls
+from pdserve.bench.workload import WorkloadConfig, generate_workload
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def require_local(url: str) -> None:
+    """The benchmark sends load; keep it on this machine unless the caller opts out at the CLI edge."""
+    host = urlparse(url).hostname
+    if host not in LOCAL_HOSTS:
+        raise ValueError(f"benchmark target must be on this machine (127.0.0.1), got host {host!r}")
+
+
+def run_benchmark(url: str, workload: WorkloadConfig, slo: SLO, limits: RunLimits = RunLimits(),
+                  progress: bool = True, label: str = "") -> dict:
+    url = url.rstrip("/")
+    requests = generate_workload(workload)
+    workers = worker_urls(url)
+    before = scrape_prefix_counters(workers)
+    bar = tqdm(total=len(requests), desc=label or "bench", unit="req", disable=not progress, file=sys.stderr,
+               mininterval=2.0)
+    failures = 0
+
+    def on_done(result: RequestResult) -> None:
+        nonlocal failures
+        failures += not result.ok
+        bar.update(1)
+        bar.set_postfix(failed=failures, refresh=False)
+
+    try:
+        results, duration_s = asyncio.run(run_workload(url, requests, workload, limits, on_done))
+    finally:
+        bar.close()
+    hit_ratio, per_rank = hit_ratio_between(before, scrape_prefix_counters(workers))
+    return {
+        "label": label,
+        "url": url,
+        "workload": asdict(workload),
+        "summary": summarize(results, duration_s, slo, hit_ratio),
+        "prefix_cache_per_rank": per_rank,
+        "requests": [
+            {**asdict(result), "group": request.group, "turn": request.turn, "max_tokens": request.max_tokens}
+            for request, result in zip(requests, results)
+        ],
+    }

@@ -1,0 +1,53 @@
+"""The benchmark end to end against a real local cluster (router + prefill + decode on the tiny model)."""
+
+import json
+
+import pytest
+
+from pdserve.cli.bench import add_bench_parser
+from pdserve.cli.generate import default_model_dir
+from pdserve.cluster.local import ClusterConfig, LocalCluster
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cfg = ClusterConfig(str(default_model_dir()), port=0, num_prefill=1, num_decode=1, start_timeout_s=120.0)
+    with LocalCluster(cfg) as running:
+        yield running
+
+
+def _bench(argv: list[str]) -> int:
+    import argparse
+
+    top = argparse.ArgumentParser()
+    add_bench_parser(top.add_subparsers(dest="command", required=True))
+    args = top.parse_args(["bench", *argv])
+    return args.func(args)
+
+
+@pytest.mark.timeout(120)
+def test_bench_run_writes_result_json_with_every_request_timed(cluster, tmp_path):
+    out, plot = tmp_path / "result.json", tmp_path / "cdf.png"
+    status = _bench(["run", "--url", cluster.url, "--preset", "shared-prefix-cpu", "--num-requests", "6",
+                     "--prefix-groups", "2", "--system-prompt-len", "64", "--output-len", "4,6", "--max-concurrency",
+                     "2", "--out", str(out), "--plot", str(plot), "--no-progress", "--label", "pd",
+                     "--request-timeout-s", "60", "--run-timeout-s", "90"])
+    result = json.loads(out.read_text())
+    summary = result["summary"]
+    assert status == 0
+    assert summary["num_requests"] == summary["completed"] == 6 and summary["failed"] == 0
+    for key in ("ttft_s", "itl_s", "e2e_s"):
+        assert set(summary[key]) == {"p50", "p90", "p99", "mean"} and summary[key]["p50"] > 0
+    assert summary["requests_per_s"] > 0 and summary["output_tokens_per_s"] > 0
+    assert 0 <= summary["goodput_requests_per_s"] <= summary["requests_per_s"]
+    # Two groups of three requests over a 64-token system prompt: later requests must hit the prefill cache.
+    assert 0 < summary["prefix_cache_hit_ratio"] < 1
+    assert any("prefill" in key for key in result["prefix_cache_per_rank"])
+    records = result["requests"]
+    assert [r["index"] for r in records] == list(range(6))
+    assert all(r["ok"] and r["output_tokens"] == r["max_tokens"] and len(r["itl_s"]) == r["output_tokens"] - 1
+               for r in records)
+    assert plot.stat().st_size > 0
+
+    status = _bench(["compare", str(out), str(out)])
+    assert status == 0
