@@ -107,6 +107,7 @@ class DecodeGraphs:
                              slots + [self.scratch_page * self.page_size] * pad], dtype=torch.int64)
         self._inputs[:, :size].copy_(host)
 
+    @torch.inference_mode()  # the plan buffers were made under inference mode, at capture
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], kv_lens: list[int],
             page_ids: list[list[int]]) -> torch.Tensor:
         """One new token per sequence (at most max_batch_size); float32 logits [num seqs, vocab], valid until the

@@ -40,7 +40,7 @@ def test_graph_decode_gives_the_eager_tokens(tiny_model_factory):
     prompts = prompts_of((3, 40, 77, 150, 201))
     # Different lengths: the batch shrinks 5 -> 1 and runs padded (5 -> 8, 3 -> 4) along the way.
     sampling = [greedy(n) for n in (6, 9, 12, 15, 18)]
-    options = dict(progress=False, dtype="bfloat16", max_num_seqs=8, page_size=16)
+    options = dict(progress=False, dtype="bfloat16", max_num_seqs=8, page_size=16, num_pages=128)
     graphed = LLM(model, cuda_graphs=True, **options)
     assert graphed.engine.runner.decode_graphs is not None
     assert graphed.engine.runner.decode_graphs.sizes == (1, 2, 4, 8)
@@ -60,6 +60,6 @@ def test_gpu_float32_greedy_gives_the_cpu_tokens(tiny_model_factory, arch):
     prompts = prompts_of((1, 16, 33, 120))
     tokens = {}
     for device in ("cpu", "cuda"):
-        llm = LLM(model, progress=False, device=device, dtype="float32")
+        llm = LLM(model, progress=False, device=device, dtype="float32", num_pages=128)
         tokens[device] = [r.token_ids for r in llm.generate(prompt_token_ids=prompts, sampling=greedy(24))]
     assert tokens["cuda"] == tokens["cpu"]
