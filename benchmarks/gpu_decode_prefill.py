@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine.cuda_graphs import DecodeGraphConfig, DecodeGraphs
 from pdserve.model.config import ModelConfig
 from pdserve.model.deepseek import Backends, DeepseekForCausalLM
 from pdserve.model.loader import build_model
@@ -140,7 +141,7 @@ def float32_reference_logits(model, ids, positions, batch, last_rows) -> torch.T
     return F.linear(x[last_rows], model.lm_head.weight.float())
 
 
-def decode_row(model, kv_cache, batch_size, context, page_size, bytes_per_s, use_graph, log) -> dict:
+def decode_row(model, kv_cache, scratch_page, batch_size, context, page_size, bytes_per_s, use_graph, log) -> dict:
     cfg, device = model.cfg, kv_cache.device
     query_lens, kv_lens = [1] * batch_size, [context] * batch_size
     ids, positions, last_rows = step_inputs(query_lens, kv_lens, cfg.vocab_size, device)
@@ -162,7 +163,7 @@ def decode_row(model, kv_cache, batch_size, context, page_size, bytes_per_s, use
     graph_ms = float("nan")
     if use_graph:
         try:
-            graph_ms = graph_step_ms(model, kv_cache, ids, positions, last_rows, batch)
+            graph_ms = engine_graph_step_ms(model, kv_cache, scratch_page, query_lens, kv_lens, page_size)
         except Exception as error:  # report and go on: the eager figure still stands
             log(f"cuda graph capture failed at batch {batch_size}: {type(error).__name__}: {error}")
     roofline_ms = roofline_bytes / bytes_per_s * 1e3
@@ -171,20 +172,24 @@ def decode_row(model, kv_cache, batch_size, context, page_size, bytes_per_s, use
                 eager_ms=eager_ms, graph_ms=graph_ms, ratio=roofline_ms / best)
 
 
-@torch.inference_mode()
-def graph_step_ms(model, kv_cache, ids, positions, last_rows, batch) -> float:
-    """Replay of one captured decode step (attention planned once before capture, as a padded graph batch would be)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            model.compute_logits(model(ids, positions, kv_cache, batch)[last_rows])
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        model.compute_logits(model(ids, positions, kv_cache, batch)[last_rows])
-    ms = timed_ms(graph.replay, kv_cache.device, iters=20)
-    del graph
+def engine_graph_step_ms(model, kv_cache, scratch_page, query_lens, kv_lens, page_size) -> float:
+    """The engine's decode path: DecodeGraphs.run (host plan + input copy + replay), synchronised every step as the
+    engine's sampler does; sequences own contiguous pages as in contiguous_batch."""
+    batch_size, context = len(kv_lens), kv_lens[0]
+    pages = -(-context // page_size)
+    graphs = DecodeGraphs(model, kv_cache, page_size, DecodeGraphConfig((batch_size,), pages), scratch_page)
+    page_ids = [list(range(i * pages, (i + 1) * pages)) for i in range(batch_size)]
+    pos = context - 1
+    slots = [ids[pos // page_size] * page_size + pos % page_size for ids in page_ids]
+    gen = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, model.cfg.vocab_size, (batch_size,), generator=gen).tolist()
+
+    def step():
+        graphs.run(input_ids, [pos] * batch_size, slots, list(kv_lens), page_ids)
+        torch.cuda.synchronize()
+
+    ms = timed_ms(step, kv_cache.device, iters=20)
+    del graphs
     return ms
 
 
@@ -259,7 +264,8 @@ def main() -> None:
 
     max_tokens = max(max(batches) * max(contexts), max(prefills), 2 * args.check_tokens)
     num_pages = -(-max_tokens // args.page_size) + max(batches)
-    kv_cache = torch.empty(cfg.num_hidden_layers, num_pages, args.page_size, cfg.kv_dim, dtype=dtype, device=device)
+    scratch_page = num_pages  # one page past the rest for the graphs' padding rows, as the engine's ModelRunner does
+    kv_cache = torch.empty(cfg.num_hidden_layers, num_pages + 1, args.page_size, cfg.kv_dim, dtype=dtype, device=device)
     for layer_cache in kv_cache:
         layer_cache.normal_()
     log(f"kv pool: {num_pages} pages of {args.page_size}, {kv_cache.numel() * kv_cache.element_size() / 1e9:.1f} GB")
@@ -297,13 +303,13 @@ def main() -> None:
     decode_rows = []
     for context in contexts:
         for batch_size in batches:
-            row = decode_row(model, kv_cache, batch_size, context, args.page_size, bytes_per_s,
+            row = decode_row(model, kv_cache, scratch_page, batch_size, context, args.page_size, bytes_per_s,
                              on_cuda and not args.no_graph, log)
             decode_rows.append(row)
             log(f"decode {row}")
 
     log("")
-    log(f"| decode batch | context | bytes read (GB) | roofline (ms) | eager (ms) | CUDA graph (ms) | roofline/best |")
+    log(f"| decode batch | context | bytes read (GB) | roofline (ms) | eager (ms) | engine CUDA graph (ms) | roofline/best |")
     log("|---|---|---|---|---|---|---|")
     for r in decode_rows:
         log(f"| {r['batch']} | {r['context']} | {r['gb']:.1f} | {r['roofline_ms']:.2f} | {r['eager_ms']:.2f} | "

@@ -18,6 +18,8 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     attention_backend: str = "auto"  # auto | torch | flashinfer
     moe_backend: str = "auto"  # auto | torch | grouped
+    cuda_graphs: bool = True  # decode under CUDA graphs where it can run (flashinfer attention); ignored on CPU
+    load_format: str = "safetensors"  # safetensors | random (the config's shape with random weights: benchmarks)
     seed: int = 0
     progress: bool = True
 
@@ -31,6 +33,7 @@ class EngineConfig:
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),
             (self.attention_backend in ("auto", "torch", "flashinfer"), "attention_backend: auto, torch or flashinfer"),
             (self.moe_backend in ("auto", "torch", "grouped"), "moe_backend: auto, torch or grouped"),
+            (self.load_format in ("safetensors", "random"), "load_format: safetensors or random"),
         ]
         for ok, message in checks:
             if not ok:

@@ -10,6 +10,7 @@ from pdserve.cache.events import KVEvent
 from pdserve.cache.page_allocator import PageAllocator
 from pdserve.cache.radix_cache import RadixCache
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.cuda_graphs import decode_graph_config
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestStatus
@@ -18,7 +19,8 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.model.config import ModelConfig
 from pdserve.model.deepseek import ExpertRange
-from pdserve.model.loader import load_model
+from pdserve.model.loader import build_model, load_model
+from pdserve.model.random_init import init_random_weights
 from pdserve.model.tokenizer import load_prompt_encoder
 from pdserve.ops.moe import MoEBackend
 from pdserve.ops.select import select_backends
@@ -86,9 +88,15 @@ class Engine:
         backends = select_backends(cfg.attention_backend, cfg.moe_backend, self.device, self.dtype)
         if moe is not None:
             backends = replace(backends, moe=moe)
-        model = load_model(cfg.model, self.model_config, backends, self.device, self.dtype, experts, cfg.progress)
+        if cfg.load_format == "random":
+            model = init_random_weights(build_model(self.model_config, backends, self.device, self.dtype, experts), cfg.seed)
+        else:
+            model = load_model(cfg.model, self.model_config, backends, self.device, self.dtype, experts, cfg.progress)
         num_pages = cfg.num_pages or self._pages_that_fit()
-        self.runner = ModelRunner(model, num_pages, cfg.page_size, self.device, self.dtype)
+        # Expert parallelism exchanges variable-sized batches between ranks: not capturable in a graph.
+        use_graphs = cfg.cuda_graphs and moe is None
+        graphs = decode_graph_config(use_graphs, model, cfg.max_num_seqs, self.max_model_len, cfg.page_size)
+        self.runner = ModelRunner(model, num_pages, cfg.page_size, self.device, self.dtype, graphs)
         self.allocator = PageAllocator(num_pages)
         self.prefix_cache = RadixCache(self.allocator, cfg.page_size, on_kv_events) if cfg.enable_prefix_cache else None
         self.scheduler = Scheduler(

@@ -194,13 +194,16 @@ class DeepseekForCausalLM(nn.Module):
     def init_rope(self, device: torch.device) -> None:
         self.rope = RotaryEmbedding(self.cfg.rope, device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, batch: AttentionBatch):
-        """input_ids/positions [T]; kv_cache [layers, pages, page_size, kv_dim]. Returns final hidden states [T, D]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, batch: AttentionBatch,
+                backends: Backends | None = None):
+        """input_ids/positions [T]; kv_cache [layers, pages, page_size, kv_dim]. Returns final hidden states [T, D].
+        `backends` replaces the model's own for this call (CUDA graphs capture with a fixed-buffer attention)."""
         assert self.rope is not None, "call init_rope() after moving the model to its device"
+        backends = backends or self.backends
         cos, sin = self.rope.cos_sin(positions)
         x = self.model.embed_tokens(input_ids)
         for layer_idx, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, self.rope, kv_cache[layer_idx], batch, self.backends)
+            x = layer(x, cos, sin, self.rope, kv_cache[layer_idx], batch, backends)
         return self.model.norm(x)
 
     def routed_expert_bytes(self) -> int:

@@ -65,3 +65,49 @@ class FlashInferMLA:
 
 def _indptr(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+
+
+class FlashInferMLAGraphSlot:
+    """Decode attention for one CUDA-graph batch size: one query per sequence, metadata in fixed device buffers.
+
+    `plan()` runs on the host before each replay and refills the buffers the captured kernels read, so one captured
+    graph serves every step of that batch size whatever its pages and context lengths (flashinfer's
+    `use_cuda_graph=True` mode). `forward()` only writes the new KV and runs: it is what the graph captures.
+    """
+
+    def __init__(self, workspace: torch.Tensor, batch_size: int, max_kv_pages: int, page_size: int,
+                 num_heads: int, head_dim_ckv: int, head_dim_kpe: int, softmax_scale: float, dtype: torch.dtype):
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+        device = workspace.device
+        self.batch_size, self.page_size = batch_size, page_size
+        self._plan_args = dict(num_heads=num_heads, head_dim_ckv=head_dim_ckv, head_dim_kpe=head_dim_kpe,
+                               page_size=page_size, causal=True, sm_scale=softmax_scale, q_data_type=dtype,
+                               kv_data_type=dtype, query_layout="split", kv_cache_layout="packed")
+        self._qo_indptr = torch.arange(batch_size + 1, dtype=torch.int32)  # one query each, never changes
+        self.wrapper = BatchMLAPagedAttentionWrapper(
+            workspace, use_cuda_graph=True,
+            qo_indptr=torch.empty(batch_size + 1, dtype=torch.int32, device=device),
+            kv_indptr=torch.empty(batch_size + 1, dtype=torch.int32, device=device),
+            kv_indices=torch.empty(max_kv_pages, dtype=torch.int32, device=device),
+            kv_len_arr=torch.empty(batch_size, dtype=torch.int32, device=device),
+            backend="auto",
+        )
+
+    def plan(self, kv_lens: list[int], page_ids: list[list[int]]) -> None:
+        """kv_lens/page_ids of exactly `batch_size` sequences (padding rows included)."""
+        from flashinfer.mla import MLAPlanMetadata
+
+        pages_per_seq = [-(-n // self.page_size) for n in kv_lens]
+        flat_pages = [page for pages, n in zip(page_ids, pages_per_seq) for page in pages[:n]]
+        metadata = MLAPlanMetadata.csr(
+            qo_indptr=self._qo_indptr,
+            kv_indptr=_indptr(pages_per_seq),
+            kv_indices=torch.tensor(flat_pages, dtype=torch.int32).to(self.wrapper.device, non_blocking=True),
+            kv_len_arr=torch.tensor(kv_lens, dtype=torch.int32),
+        )
+        self.wrapper.plan(metadata=metadata, **self._plan_args)
+
+    def forward(self, q_latent, q_pe, latent, k_pe, kv_cache, batch: AttentionBatch, softmax_scale: float):
+        write_kv(kv_cache, latent, k_pe, batch.slot_mapping)
+        return self.wrapper.run(query=(q_latent, q_pe), kv_cache=kv_cache)

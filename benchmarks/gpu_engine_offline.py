@@ -1,0 +1,87 @@
+"""Offline end-to-end throughput of the engine: N requests submitted at once, output tokens/s and mean ITL.
+
+A random-weight model of the config's shape (`load_format="random"`: no checkpoint needed), greedy, ignore_eos,
+so every request makes exactly --output tokens.
+
+    python benchmarks/gpu_engine_offline.py                                # 512 x (1k prompt, 256 out), V2-Lite
+    python benchmarks/gpu_engine_offline.py --config TINY_DIR/config.json --requests 8 --prompt 32 --output 8 \
+        --device cpu --dtype float32                                       # smoke run of the script itself
+"""
+
+import argparse
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.sampling_params import SamplingParams
+
+DEFAULT_CONFIG = Path(__file__).with_name("deepseek-v2-lite.config.json")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG))
+    parser.add_argument("--requests", type=int, default=512)
+    parser.add_argument("--prompt", type=int, default=1024)
+    parser.add_argument("--output", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--no-cuda-graphs", action="store_true")
+    args = parser.parse_args()
+
+    model_dir = Path(tempfile.mkdtemp())
+    shutil.copy(args.config, model_dir / "config.json")
+    engine = Engine(EngineConfig(
+        model=str(model_dir), load_format="random", device=args.device, dtype=args.dtype, page_size=args.page_size,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.prompt + args.output, enable_prefix_cache=False, cuda_graphs=not args.no_cuda_graphs,
+        progress=False,
+    ))
+    vocab = engine.model_config.vocab_size
+    sampling = SamplingParams(max_tokens=args.output, temperature=0.0, ignore_eos=True)
+    engine.add_request("warm-up", [1] * args.prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+
+    gen = torch.Generator().manual_seed(0)
+    token_times: dict[str, list[float]] = {}
+    start = time.perf_counter()
+    for i in range(args.requests):
+        engine.add_request(f"r{i}", torch.randint(2, vocab, (args.prompt,), generator=gen).tolist(), sampling)
+        token_times[f"r{i}"] = []
+    steps = 0
+    while engine.has_work():
+        outputs = engine.step()
+        now = time.perf_counter()
+        steps += 1
+        for out in outputs:
+            token_times[out.request_id].extend([now] * len(out.new_token_ids))
+    elapsed = time.perf_counter() - start
+
+    output_tokens = sum(len(t) for t in token_times.values())
+    ttft = [t[0] - start for t in token_times.values()]
+    itl = [(t[-1] - t[0]) / (len(t) - 1) for t in token_times.values() if len(t) > 1]
+    graphs = engine.runner.decode_graphs
+    print(f"device: {torch.cuda.get_device_name() if engine.device.type == 'cuda' else 'cpu'}; "
+          f"{engine.model_config.num_hidden_layers} layers, {engine.dtype}; CUDA graphs: "
+          f"{list(graphs.sizes) if graphs else 'off'}; {engine.allocator.num_pages} pages of {args.page_size}")
+    print()
+    print("| requests | prompt | output | wall (s) | steps | output tokens/s | total tokens/s | mean TTFT (s) "
+          "| mean ITL (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    total = output_tokens + args.requests * args.prompt
+    print(f"| {args.requests} | {args.prompt} | {args.output} | {elapsed:.1f} | {steps} | {output_tokens / elapsed:,.0f} "
+          f"| {total / elapsed:,.0f} | {sum(ttft) / len(ttft):.2f} | {sum(itl) / len(itl) * 1e3:.1f} |")
+    assert output_tokens == args.requests * args.output, "every request makes exactly --output tokens"
+
+
+if __name__ == "__main__":
+    main()

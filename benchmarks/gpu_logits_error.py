@@ -1,0 +1,116 @@
+"""bf16 logits error against float32 on the same random weights: pdserve's GPU path next to transformers' own model.
+
+For each init (pdserve's N(0, 1/fan_in), then a fixed small std like a trained checkpoint's scale): pdserve bf16
+(flashinfer + grouped MoE) vs pdserve's float32 reference, then the same weights copied into transformers'
+DeepseekV2ForCausalLM, run in bf16 and in float32. If transformers' bf16 error is as large as ours, the figure is
+about bf16 on these weights, not about our kernels. One table last.
+
+    python benchmarks/gpu_logits_error.py [--stds fan_in,0.006] [--tokens 512]
+    python benchmarks/gpu_logits_error.py --device cpu --config TINY_DIR/config.json --tokens 16 --page-size 16
+"""
+
+import argparse
+import gc
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from pdserve.model.config import ModelConfig
+from pdserve.model.loader import build_model
+from pdserve.model.random_init import init_random_weights
+from pdserve.ops.select import select_backends
+
+DEFAULT_CONFIG = Path(__file__).with_name("deepseek-v2-lite.config.json")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def transformers_name(ours: str) -> str:
+    return ours.replace("mlp.experts.w13", "mlp.experts.gate_up_proj").replace("mlp.experts.w2", "mlp.experts.down_proj")
+
+
+def load_into_transformers(hf_model, ours) -> None:
+    hf_params = dict(hf_model.named_parameters())
+    copied = set()
+    for name, param in ours.named_parameters():
+        target = hf_params[transformers_name(name)]
+        assert target.shape == param.shape, f"{name}: {tuple(param.shape)} vs {tuple(target.shape)}"
+        target.data.copy_(param.data)
+        copied.add(transformers_name(name))
+    missing = set(hf_params) - copied
+    assert not missing, f"transformers parameters left unset: {sorted(missing)[:5]}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG))
+    parser.add_argument("--stds", default="fan_in,0.006")
+    parser.add_argument("--tokens", type=int, default=512, help="tokens per sequence, 2 sequences")
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from benchmarks.gpu_decode_prefill import contiguous_batch, float32_reference_logits, step_inputs
+
+    device = torch.device(args.device)
+    dtype_key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    raw = json.loads(Path(args.config).read_text())
+    cfg = ModelConfig.from_dict(raw)
+    hf_dir = Path(tempfile.mkdtemp())
+    (hf_dir / "config.json").write_text(json.dumps(raw))
+    hf_cfg = AutoConfig.from_pretrained(hf_dir)
+    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, transformers {transformers.__version__}, torch {torch.__version__}")
+
+    query_lens = [args.tokens] * 2
+    ids, positions, last_rows = step_inputs(query_lens, query_lens, cfg.vocab_size, device, seed=1)
+    rows = []
+    for std_name in args.stds.split(","):
+        std = None if std_name == "fan_in" else float(std_name)
+        backends = select_backends("auto", "auto", device, torch.bfloat16)
+        ours = init_random_weights(build_model(cfg, backends, device, torch.bfloat16), seed=0, std=std)
+        pages = -(-2 * args.tokens // args.page_size) + 2
+        kv = torch.zeros(cfg.num_hidden_layers, pages, args.page_size, cfg.kv_dim, dtype=torch.bfloat16, device=device)
+        batch = contiguous_batch(query_lens, query_lens, args.page_size, device)
+        with torch.inference_mode():
+            ours_bf16 = ours.compute_logits(ours(ids, positions, kv, batch)[last_rows])
+        reference = float32_reference_logits(ours, ids, positions, batch, last_rows)
+        del kv
+
+        with torch.device(device):
+            hf = AutoModelForCausalLM.from_config(hf_cfg, **{dtype_key: torch.bfloat16}).eval()
+        load_into_transformers(hf, ours)
+        del ours, backends
+        gc.collect()
+        hf_ids = ids.view(2, args.tokens)
+        with torch.inference_mode():
+            hf_bf16 = hf(input_ids=hf_ids).logits[:, -1].float()
+            hf.float()
+            hf_fp32 = hf(input_ids=hf_ids).logits[:, -1].float()
+        del hf
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        row = dict(init=std_name, ours=rel_err(ours_bf16, reference), hf=rel_err(hf_bf16, hf_fp32),
+                   ref_vs_hf=rel_err(reference, hf_fp32),
+                   top1=(ours_bf16.argmax(-1) == reference.argmax(-1)).float().mean().item(),
+                   hf_top1=(hf_bf16.argmax(-1) == hf_fp32.argmax(-1)).float().mean().item(),
+                   logit_std=reference.std().item())
+        rows.append(row)
+        print(row, flush=True)
+
+    print()
+    print("| init | pdserve bf16 vs float32 ref | transformers bf16 vs float32 | pdserve f32 ref vs transformers f32 "
+          "| logit std |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['init']} | {r['ours']:.2e} | {r['hf']:.2e} | {r['ref_vs_hf']:.2e} | {r['logit_std']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
