@@ -10,6 +10,8 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+
 from router.errors import bad_request
 
 
@@ -61,6 +63,10 @@ class PromptTokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def detokenizer(self, prompt_token_ids: list[int], stop: list[str]) -> IncrementalDetokenizer:
+        """The workers' incremental detokenizer (same algorithm, same tokenizer.json): text of a migrated stream."""
+        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, stop)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
         if self._compiled is None:

@@ -1,12 +1,14 @@
 """Synchronous helpers for reliability tests: SSE completions through a real router, parsed event by event."""
 
 import json
+import threading
 import time
 from dataclasses import dataclass, field
 
 import httpx
 
 TIMEOUT_S = 120.0
+STREAMING_AFTER_TOKENS = 20
 
 
 @dataclass
@@ -21,8 +23,9 @@ class StreamResult:
 
 
 def stream_completion(router_url: str, model: str, prompt: str | list[int], max_tokens: int,
-                      timeout_s: float = TIMEOUT_S, **extra) -> StreamResult:
-    """One streamed completion; every read is bounded by `timeout_s` and so is the whole call."""
+                      timeout_s: float = TIMEOUT_S, streaming: threading.Event | None = None, **extra) -> StreamResult:
+    """One streamed completion; every read is bounded by `timeout_s` and so is the whole call. `streaming` is set
+    once tokens are arriving (STREAMING_AFTER_TOKENS of them)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "return_token_ids": True, **extra}
     result = StreamResult()
@@ -50,6 +53,8 @@ def stream_completion(router_url: str, model: str, prompt: str | list[int], max_
                 result.text += choice.get("text", "")
                 result.token_ids.extend(choice.get("token_ids") or [])
                 result.finish_reason = choice.get("finish_reason") or result.finish_reason
+            if streaming is not None and len(result.token_ids) >= STREAMING_AFTER_TOKENS:
+                streaming.set()
     result.seconds = time.monotonic() - started
     return result
 
