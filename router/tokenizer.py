@@ -39,6 +39,11 @@ class PromptTokenizer:
     def __init__(self, model_dir: str) -> None:
         directory = Path(model_dir)
         self.tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        # Token ids a prompt may hold: the model's embedding rows when config.json is there (often more than the
+        # tokenizer's entries), else the tokenizer's.
+        model_config_path = directory / "config.json"
+        model_config = json.loads(model_config_path.read_text()) if model_config_path.exists() else {}
+        self.vocab_size = int(model_config.get("vocab_size") or self.tokenizer.get_vocab_size(with_added_tokens=True))
         config_path = directory / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
         self.bos_token = _special_token_text(config.get("bos_token"))
