@@ -69,7 +69,8 @@ def build_router_app(config: RouterConfig, discovery: Discovery | None = None) -
         pool = WorkerPool(worker_discovery, http, index, metrics, config.health_interval_s, config.health_timeout_s,
                           config.eject_after_failures)
         dispatcher = Dispatcher(pool, index, make_policy(config.routing, config.prefix_weight, config.load_weight),
-                                metrics, config.max_attempts, config.first_token_timeout_s, config.retry_after_s)
+                                metrics, config.max_attempts, config.first_token_timeout_s, config.retry_after_s,
+                                tokenizer.detokenizer, config.max_migrations)
         parts.pool = pool
         parts.serving = Serving(
             tokenizer, dispatcher, metrics, config.model_name,

@@ -38,6 +38,7 @@ class RouterConfig:
     eject_after_failures: int = 2
     pending_assignment_ttl_s: float = 10.0  # router's own assignments count in the index this long
     max_attempts: int = 3  # ranks tried for a request that has produced no token yet
+    max_migrations: int = 2  # times a stream moves to another decode path after its worker failed mid-stream
     first_token_timeout_s: float = 600.0  # bound on waiting for a worker's first token
 
     def __post_init__(self) -> None:
@@ -46,6 +47,7 @@ class RouterConfig:
             (self.discovery in ("static", "k8s"), f"discovery must be static|k8s, got {self.discovery!r}"),
             (self.prefix_weight >= 0 and self.load_weight >= 0, "prefix_weight and load_weight must be >= 0"),
             (self.max_attempts >= 1, "max_attempts must be >= 1"),
+            (self.max_migrations >= 0, "max_migrations must be >= 0"),
             (self.eject_after_failures >= 1, "eject_after_failures must be >= 1"),
         ]
         for ok, message in checks:

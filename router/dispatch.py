@@ -1,6 +1,7 @@
 """Sending one generation to the workers: pick the prefill rank (policy) and, for a prefill worker, a decode rank;
 send ONE GenerateRequest (to the decode worker, which drives the prefill itself, or to a `both` worker); retry on
-another rank while no token has come back; abort on the worker when the caller stops listening."""
+another rank while no token has come back, migrate the stream to another decode path after (router/migration.py);
+abort on the worker when the caller stops listening."""
 
 import asyncio
 import contextlib
@@ -14,6 +15,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.worker.protocol import GenerateRequest, Plan, PrefillSource, TokenEvent
 from router.errors import APIError
 from router.metrics import RouterMetrics
+from router.migration import Continuation, DetokenizerFactory
 from router.policies import Policy, RoutingRequest, choose_decode
 from router.prefix_index import PrefixIndex, RankKey
 from pdserve.worker.client import WorkerUnavailable
@@ -41,12 +43,15 @@ class Dispatcher:
     def __init__(
         self, pool: WorkerPool, index: PrefixIndex, policy: Policy, metrics: RouterMetrics,
         max_attempts: int, first_token_timeout_s: float, retry_after_s: int,
+        make_detokenizer: DetokenizerFactory, max_migrations: int = 2,
     ) -> None:
         self._pool = pool
         self._index = index
         self._policy = policy
         self._metrics = metrics
         self._max_attempts = max_attempts
+        self._max_migrations = max_migrations
+        self._make_detokenizer = make_detokenizer
         self._first_token_timeout_s = first_token_timeout_s
         self._retry_after_s = retry_after_s
         self._sequence = itertools.count()
@@ -79,48 +84,80 @@ class Dispatcher:
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, arrival_s: float
     ) -> AsyncIterator[TokenEvent]:
-        """The request's TokenEvents; raises APIError(503) if no rank could start it."""
+        """The request's TokenEvents. A worker failure before the first token retries on another rank (at most
+        `max_attempts` ranks, then APIError(503), or the last worker's error event if it sent one); after it, the
+        stream migrates to another decode path (at most `max_migrations` times, then an error event)."""
+        continuation = Continuation(prompt_token_ids, sampling, self._make_detokenizer)
         excluded: set[RankKey] = set()
-        for attempt in range(self._max_attempts):
-            route = self.choose(prompt_token_ids, excluded)
+        failed_starts = 0
+        last_error_event: TokenEvent | None = None
+        for attempt in itertools.count():
+            route = self.choose(continuation.next_prompt(), excluded)
             if route is None:
                 break
-            excluded.update({route.prefill, route.target})
-            if attempt == 0:
-                self._metrics.observe_queue(time.monotonic() - arrival_s)
-                self._metrics.observe_prefix_match_ratio(route.matched_tokens / max(1, len(prompt_token_ids)))
-            else:
-                self._metrics.count_retry()
-            self._index.record_assignment(route.prefill, prompt_token_ids)
-            self._pool.note_assignment(route.prefill)
-            if route.target != route.prefill:
-                self._pool.note_assignment(route.target)
+            self._note_route(route, attempt, continuation, arrival_s)
             attempt_id = f"{request_id}-{attempt}"  # unique per attempt: a half-started earlier one may linger
             worker_request = GenerateRequest(
-                request_id=attempt_id, rank=route.target[1], prompt_token_ids=prompt_token_ids,
-                sampling=sampling, plan=route.plan,
+                request_id=attempt_id, rank=route.target[1], prompt_token_ids=continuation.next_prompt(),
+                sampling=continuation.next_sampling(), plan=route.plan,
             )
             client = self._pool.client(route.target[0])
-            finished = False
-            started = False
+            worker_finished = False
+            failure: str | None = None
             try:
                 async with contextlib.aclosing(client.generate(worker_request, self._first_token_timeout_s)) as events:
                     async for event in events:
-                        started = True
-                        finished = event.finish_reason is not None
+                        if event.finish_reason == "error":
+                            worker_finished, failure, last_error_event = True, event.error or "worker error", event
+                            break
+                        worker_finished = event.finish_reason is not None
+                        event = continuation.absorb(event)
                         yield event
-                        if finished:
+                        if event.finish_reason is not None:
                             return
-                return
             except WorkerUnavailable as error:
-                if started:
-                    raise
-                logger.warning("request %s failed on %s before its first token: %s", request_id, route.target, error)
+                failure = str(error)
                 self._pool.report_failure(route.target[0])  # a dead prefill worker is ejected by its health checks
             finally:
-                if not finished:  # the caller left, or the attempt failed: free whatever the worker holds for it
+                if not worker_finished:  # the caller left, the router stopped it, or it failed: free what it holds
                     self._abort_later(client, attempt_id)
-        raise no_workers_error(self._retry_after_s)
+            excluded.add(route.target)
+            if not continuation.started:
+                logger.warning("request %s failed on %s before its first token: %s", request_id, route.target, failure)
+                excluded.add(route.prefill)
+                failed_starts += 1
+                if failed_starts >= self._max_attempts:
+                    break
+                continue
+            if continuation.migrations >= self._max_migrations:
+                yield self._failed(attempt_id, f"the worker failed after {len(continuation.streamed_token_ids)} tokens "
+                                   f"and the request was already migrated {continuation.migrations} time(s): {failure}")
+                return
+            logger.warning("request %s: %s failed after %d tokens (%s); migrating", request_id, route.target,
+                           len(continuation.streamed_token_ids), failure)
+            continuation.migrate()
+            self._metrics.count_migration()
+        if continuation.started:
+            yield self._failed(request_id, "the worker failed mid-stream and no other worker can continue it")
+        elif last_error_event is not None:
+            yield last_error_event
+        else:
+            raise no_workers_error(self._retry_after_s)
+
+    def _note_route(self, route: Route, attempt: int, continuation: Continuation, arrival_s: float) -> None:
+        if attempt == 0:
+            self._metrics.observe_queue(time.monotonic() - arrival_s)
+            self._metrics.observe_prefix_match_ratio(route.matched_tokens / max(1, len(continuation.prompt_token_ids)))
+        elif not continuation.started:
+            self._metrics.count_retry()
+        self._index.record_assignment(route.prefill, continuation.next_prompt())
+        self._pool.note_assignment(route.prefill)
+        if route.target != route.prefill:
+            self._pool.note_assignment(route.target)
+
+    @staticmethod
+    def _failed(request_id: str, message: str) -> TokenEvent:
+        return TokenEvent(request_id, [], finish_reason="error", error=message)
 
     def _abort_later(self, client, request_id: str) -> None:
         # Runs while the caller's task is being cancelled, so the abort gets a task of its own.

@@ -35,6 +35,10 @@ class RouterMetrics:
         self._retries = Counter(
             "pdserve_router_retries", "Requests re-sent to another rank before their first token.", labels, registry=self.registry
         )
+        self._migrations = Counter(
+            "pdserve_router_migrations", "Streams continued on another decode path after their worker failed mid-stream.",
+            labels, registry=self.registry,
+        )
         self._healthy_workers = Gauge("pdserve_router_healthy_workers", "Workers routable now.", labels, registry=self.registry)
 
     def _labels(self, metric):
@@ -63,6 +67,9 @@ class RouterMetrics:
 
     def count_retry(self) -> None:
         self._labels(self._retries).inc()
+
+    def count_migration(self) -> None:
+        self._labels(self._migrations).inc()
 
     def set_healthy_workers(self, count: int) -> None:
         self._labels(self._healthy_workers).set(count)

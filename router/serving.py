@@ -84,6 +84,10 @@ class Serving:
         self._check_model(request)
         schema.check_limits(request, self._max_n, self._max_tokens_limit)
         prompts = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in schema.prompts_of(request)]
+        for prompt in prompts:
+            if outside := [t for t in prompt if not 0 <= t < self.tokenizer.vocab_size]:
+                raise schema.bad_request(f"prompt token id {outside[0]} is outside the vocabulary "
+                                         f"[0, {self.tokenizer.vocab_size})", param="prompt")
         return self._plan_choices(request, prompts)
 
     def plan_chat(self, request: schema.ChatCompletionRequest) -> list[ChoicePlan]:

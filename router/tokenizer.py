@@ -10,6 +10,8 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+
 from router.errors import bad_request
 
 
@@ -37,6 +39,11 @@ class PromptTokenizer:
     def __init__(self, model_dir: str) -> None:
         directory = Path(model_dir)
         self.tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        # Token ids a prompt may hold: the model's embedding rows when config.json is there (often more than the
+        # tokenizer's entries), else the tokenizer's.
+        model_config_path = directory / "config.json"
+        model_config = json.loads(model_config_path.read_text()) if model_config_path.exists() else {}
+        self.vocab_size = int(model_config.get("vocab_size") or self.tokenizer.get_vocab_size(with_added_tokens=True))
         config_path = directory / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
         self.bos_token = _special_token_text(config.get("bos_token"))
@@ -61,6 +68,10 @@ class PromptTokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def detokenizer(self, prompt_token_ids: list[int], stop: list[str]) -> IncrementalDetokenizer:
+        """The workers' incremental detokenizer (same algorithm, same tokenizer.json): text of a migrated stream."""
+        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, stop)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
         if self._compiled is None:

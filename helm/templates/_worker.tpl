@@ -45,6 +45,7 @@ pdserve.io/pool: {{ .name }}
 - --ranks={{ .pool.ranks }}
 - --page-size=$(PDSERVE_PAGE_SIZE)
 - --gpu-memory-fraction=$(PDSERVE_GPU_MEMORY_FRACTION)
+- --drain-timeout-s={{ .root.Values.worker.terminationGracePeriodSeconds }}
 {{- range .root.Values.worker.extraArgs }}
 - {{ . | quote }}
 {{- end }}
@@ -58,8 +59,9 @@ pdserve.io/pool: {{ .name }}
 {{- $rayPort := $pool.multiNode.rayPort }}
 {{- $gpus := include "pdserve.gpusPerPod" $pool -}}
 serviceAccountName: {{ include "pdserve.serviceAccountName" $root }}
-{{- /* Drain budget: the preStop wait plus the time the worker needs to finish in-flight requests. */}}
-terminationGracePeriodSeconds: {{ add $root.Values.worker.terminationGracePeriodSeconds $root.Values.worker.preStopSleepSeconds }}
+{{- /* Drain budget: the preStop wait, then the worker's own drain (--drain-timeout-s, after SIGTERM), then a margin
+       for the process to exit (cut KV-event streams, release its Ray actors) before the kubelet's SIGKILL. */}}
+terminationGracePeriodSeconds: {{ add $root.Values.worker.terminationGracePeriodSeconds $root.Values.worker.preStopSleepSeconds 15 }}
 {{- with $root.Values.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}

@@ -1,5 +1,6 @@
 """Client of a worker's internal API (pdserve/worker/protocol.py): typed msgspec JSON over httpx; used by the router and by decode workers calling prefill workers."""
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import TypeVar
 
@@ -50,7 +51,20 @@ class WorkerClient:
         return msgspec.json.decode(response.content, type=message_type)
 
     async def health(self) -> WorkerHealth:
-        return await self._get("/health", WorkerHealth)
+        """The worker's health; a draining worker (503 `draining`) is answered, not raised: it is alive and finishing
+        its requests, it only takes no new ones."""
+        try:
+            response = await self._http.get(self.url + "/health", timeout=self._timeout_s)
+        except httpx.HTTPError as error:
+            raise WorkerUnavailable(f"{self.url}/health: {error!r}") from error
+        if response.status_code == 503:
+            with contextlib.suppress(msgspec.DecodeError):
+                health = msgspec.json.decode(response.content, type=WorkerHealth)
+                if health.status == "draining":
+                    return health
+        if response.status_code != 200:
+            raise WorkerUnavailable(f"{self.url}/health: HTTP {response.status_code}")
+        return msgspec.json.decode(response.content, type=WorkerHealth)
 
     async def info(self) -> WorkerInfo:
         return await self._get("/internal/v1/info", WorkerInfo)

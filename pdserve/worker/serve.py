@@ -9,6 +9,7 @@ import uvicorn
 
 from pdserve.model.config import ModelConfig
 from pdserve.worker.config import WorkerConfig
+from pdserve.worker.drain import SHUTDOWN_AFTER_DRAIN_S, DrainGate, DrainingServer
 from pdserve.worker.protocol import API_VERSION, WorkerInfo
 from pdserve.worker.instance import ExpertParallelInstance
 from pdserve.worker.rank import RankConfig
@@ -45,10 +46,13 @@ def run_worker(cfg: WorkerConfig) -> None:
         max_model_len=cfg.engine.max_model_len or model_cfg.max_position_embeddings,
         ranks=infos,
     )
-    app = build_worker_app(cfg, rank_set, info)
+    gate = DrainGate()
+    app = build_worker_app(cfg, rank_set, info, gate)
     print(f"pdserve worker: {cfg.role} serving on {cfg.url}", flush=True)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning",
-                timeout_graceful_shutdown=int(cfg.drain_timeout_s))
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
+                            timeout_graceful_shutdown=SHUTDOWN_AFTER_DRAIN_S)
+    DrainingServer(config, gate, cfg.drain_timeout_s).run()
+    print("pdserve worker: drained, exiting", flush=True)
 
 
 async def _gather_infos(handles):

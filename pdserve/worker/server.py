@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.worker.config import WorkerConfig
+from pdserve.worker.drain import CountedStreamingResponse, DrainGate
 from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.protocol import (
     API_VERSION,
@@ -38,13 +39,10 @@ class RankSet:
                  restart: Callable[[], Awaitable[list[RankHandle]]] | None = None):
         self.handles = handles
         self.healthy = [True] * len(handles)
-        self.draining = False
         self._restart = restart
 
     @property
     def status(self) -> str:
-        if self.draining:
-            return "draining"
         return "ok" if all(self.healthy) else "unhealthy"
 
     async def watch(self) -> None:
@@ -71,7 +69,8 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": status}}, status)
 
 
-def build_worker_app(cfg: WorkerConfig, ranks: RankSet, info: WorkerInfo) -> FastAPI:
+def build_worker_app(cfg: WorkerConfig, ranks: RankSet, info: WorkerInfo, gate: DrainGate | None = None) -> FastAPI:
+    gate = gate or DrainGate()
     metrics = WorkerMetrics(info.model, cfg.role)
 
     @contextlib.asynccontextmanager
@@ -87,7 +86,7 @@ def build_worker_app(cfg: WorkerConfig, ranks: RankSet, info: WorkerInfo) -> Fas
 
     @app.get("/health")
     async def health() -> Response:
-        body = WorkerHealth(ranks.status, cfg.role, len(ranks.handles))  # type: ignore[arg-type]
+        body = WorkerHealth("draining" if gate.draining else ranks.status, cfg.role, len(ranks.handles))  # type: ignore[arg-type]
         return Response(msgspec.json.encode(body), 200 if body.status == "ok" else 503, media_type="application/json")
 
     @app.get("/internal/v1/info")
@@ -111,7 +110,7 @@ def build_worker_app(cfg: WorkerConfig, ranks: RankSet, info: WorkerInfo) -> Fas
         handle = rank_handle(body.rank)
         if handle is None:
             return _error(400, f"rank {body.rank} does not exist (this worker has {len(ranks.handles)})")
-        if ranks.draining:
+        if gate.draining:
             return _error(503, "worker is draining")
         if cfg.role == "prefill" and body.plan.kind == "decode" or cfg.role == "decode" and body.plan.kind == "prefill":
             return _error(400, f"a {cfg.role} worker does not take {body.plan.kind} plans")
@@ -124,7 +123,7 @@ def build_worker_app(cfg: WorkerConfig, ranks: RankSet, info: WorkerInfo) -> Fas
                 event = TokenEvent(body.request_id, [], finish_reason="error", error=f"rank {body.rank} failed: {error}")
                 yield msgspec.json.encode(event) + b"\n"
 
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
+        return CountedStreamingResponse(lines(), gate, media_type="application/x-ndjson")
 
     @app.post("/internal/v1/abort")
     async def abort(request: Request) -> Response:

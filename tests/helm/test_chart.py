@@ -107,7 +107,8 @@ def test_worker_pods_have_shm_ipc_lock_health_probes_and_a_drain_grace_period() 
                                          "shmSize": "32Gi"}})
     for template in _serving_templates(objects):
         spec, container = template["spec"], _container(template)
-        assert spec["terminationGracePeriodSeconds"] == 307
+        assert spec["terminationGracePeriodSeconds"] == 300 + 7 + 15  # drain + preStop + exit margin
+        assert "--drain-timeout-s=300" in " ".join(container.get("command", []) + container.get("args", []))
         assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "7"]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}

@@ -25,7 +25,7 @@ class StubPool:
 
 def dispatcher(pool, index=None, policy="prefix") -> Dispatcher:
     return Dispatcher(pool, index or PrefixIndex(), make_policy(policy, 1.0, 0.5), RouterMetrics("tiny", policy),
-                      max_attempts=3, first_token_timeout_s=5, retry_after_s=1)
+                      max_attempts=3, first_token_timeout_s=5, retry_after_s=1, make_detokenizer=None)
 
 
 def test_disaggregated_route_sends_to_decode_rank_with_the_prefill_rank_as_source():

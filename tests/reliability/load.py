@@ -1,0 +1,111 @@
+"""A bounded closed-loop load generator for soak tests: N concurrent clients issuing mixed completions (streamed and
+not, text and token-id prompts, short and long) through a router until a deadline; every request is checked and
+bounded by a timeout, and per-process resident memory is sampled."""
+
+import asyncio
+import json
+import os
+import random
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass
+class LoadReport:
+    completed: int = 0
+    errors: list[str] = field(default_factory=list)
+    hung: int = 0  # requests that hit the per-request timeout
+    tokens: int = 0
+    latencies_s: list[float] = field(default_factory=list)
+
+    def percentile_s(self, fraction: float) -> float:
+        ordered = sorted(self.latencies_s)
+        return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))] if ordered else 0.0
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size from /proc (Linux)."""
+    with open(f"/proc/{pid}/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def rank_actor_pids() -> list[int]:
+    """The Ray worker processes that host rank actors (Ray titles them `ray::RankActor...`)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                    if cmdline.read().startswith(b"ray::RankActor"):
+                        pids.append(int(entry))
+            except OSError:
+                continue
+    return pids
+
+
+async def _one(http: httpx.AsyncClient, url: str, model: str, rng: random.Random, report: LoadReport,
+               request_timeout_s: float) -> None:
+    max_tokens = rng.choice([1, 4, 16, 64, 160])
+    prompt = (list(rng.randrange(2, 500) for _ in range(rng.choice([3, 20, 90, 300])))
+              if rng.random() < 0.5 else "soak " * rng.randrange(1, 60))
+    stream = rng.random() < 0.7
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": rng.choice([0.0, 0.8]),
+            "ignore_eos": True, "stream": stream, "return_token_ids": True}
+    started = time.monotonic()
+
+    async def call() -> int:
+        if not stream:
+            response = await http.post(url + "/v1/completions", json=body)
+            if response.status_code != 200:
+                raise AssertionError(f"HTTP {response.status_code}: {response.text[:200]}")
+            return len(response.json()["choices"][0]["token_ids"])
+        tokens, done, finish = 0, False, None
+        async with http.stream("POST", url + "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                raise AssertionError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+            async for line in response.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        raise AssertionError(f"error event: {chunk['error']}")
+                    for choice in chunk["choices"]:
+                        tokens += len(choice.get("token_ids") or [])
+                        finish = choice.get("finish_reason") or finish
+        if not done or finish != "length":
+            raise AssertionError(f"stream ended without [DONE] or finish (done={done}, finish={finish})")
+        return tokens
+
+    try:
+        tokens = await asyncio.wait_for(call(), request_timeout_s)
+    except asyncio.TimeoutError:
+        report.hung += 1
+        return
+    except (AssertionError, httpx.HTTPError, ValueError) as error:
+        report.errors.append(repr(error)[:300])
+        return
+    if tokens != max_tokens:
+        report.errors.append(f"got {tokens} tokens, asked for {max_tokens}")
+        return
+    report.completed += 1
+    report.tokens += tokens
+    report.latencies_s.append(time.monotonic() - started)
+
+
+async def run_load(url: str, model: str, concurrency: int, duration_s: float, request_timeout_s: float,
+                   seed: int = 0) -> LoadReport:
+    """`concurrency` clients, each issuing requests back to back until `duration_s` is over."""
+    report = LoadReport()
+    deadline = time.monotonic() + duration_s
+    limits = httpx.Limits(max_connections=concurrency * 2)
+    async with httpx.AsyncClient(timeout=request_timeout_s, limits=limits) as http:
+        async def client(index: int) -> None:
+            rng = random.Random(seed * 1000 + index)
+            while time.monotonic() < deadline:
+                await _one(http, url, model, rng, report, request_timeout_s)
+
+        await asyncio.gather(*(client(i) for i in range(concurrency)))
+    return report
