@@ -21,7 +21,12 @@ T = TypeVar("T")
 
 
 class WorkerUnavailable(Exception):
-    """The worker could not be reached or answered with an error before streaming anything."""
+    """The worker could not be reached or answered with an error before streaming anything. `refused` is True when
+    the worker certainly never took the request (no connection, or an error status): it will not act on it later."""
+
+    def __init__(self, message: str, refused: bool = False):
+        super().__init__(message)
+        self.refused = refused
 
 
 async def _ndjson_lines(response: httpx.Response) -> AsyncIterator[bytes]:
@@ -94,7 +99,7 @@ class WorkerClient:
             ) as response:
                 if response.status_code != 200:
                     detail = (await response.aread())[:500].decode(errors="replace")
-                    raise WorkerUnavailable(f"{self.url} generate: HTTP {response.status_code}: {detail}")
+                    raise WorkerUnavailable(f"{self.url} generate: HTTP {response.status_code}: {detail}", refused=True)
                 async for line in _ndjson_lines(response):
                     event = decoder.decode(line)
                     got_event = True
@@ -103,7 +108,8 @@ class WorkerClient:
                         return
         except (httpx.HTTPError, msgspec.DecodeError) as error:
             if not got_event:
-                raise WorkerUnavailable(f"{self.url} generate: {error!r}") from error
+                refused = isinstance(error, httpx.ConnectError)
+                raise WorkerUnavailable(f"{self.url} generate: {error!r}", refused=refused) from error
             yield TokenEvent(request.request_id, [], finish_reason="error", error=f"worker stream broke: {error!r}")
             return
         if not got_event:

@@ -19,6 +19,7 @@ class WorkerConfig:
     ray_address: str | None = None  # None: start a local Ray instance
     served_model_name: str = ""
     transfer_timeout_s: float = 30.0
+    prefill_timeout_s: float = 120.0
     drain_timeout_s: float = 30.0
 
     @property
@@ -46,7 +47,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--no-prefix-cache", action="store_true")
-    parser.add_argument("--transfer-timeout-s", type=float, default=30.0)
+    parser.add_argument("--transfer-timeout-s", type=float, default=30.0, help="bound on one KV write")
+    parser.add_argument("--prefill-timeout-s", type=float, default=120.0,
+                        help="decode side: bound on waiting for a prefill worker's first token")
     parser.add_argument("--drain-timeout-s", type=float, default=30.0, help="grace period for in-flight requests on SIGTERM")
 
 
@@ -60,5 +63,6 @@ def worker_config_from_args(args: argparse.Namespace, model_dir: str) -> WorkerC
     return WorkerConfig(
         engine=engine, role=args.role, num_ranks=args.ranks, expert_parallel=args.expert_parallel, host=args.host, port=args.port,
         advertise_url=args.advertise_url, ray_address=args.ray_address, served_model_name=args.served_model_name,
-        transfer_timeout_s=args.transfer_timeout_s, drain_timeout_s=args.drain_timeout_s,
+        transfer_timeout_s=args.transfer_timeout_s, prefill_timeout_s=args.prefill_timeout_s,
+        drain_timeout_s=args.drain_timeout_s,
     )

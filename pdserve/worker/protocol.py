@@ -40,6 +40,10 @@ class KVDestination:
     agent_name: str
     page_ids: list[int]  # one per page of the prompt, in order
     skip_pages: int = 0  # leading pages the decode rank already holds (prefix reuse): not written
+    # Wall-clock (Unix) time after which the prefill rank must not post the WRITE (0: no limit). The decode rank
+    # keeps a failed reservation until then plus the transfer timeout and a margin, so a late WRITE cannot land in
+    # pages given to another request. Assumes host clocks agree to well under a second (NTP).
+    write_deadline_unix_s: float = 0.0
 
 
 @dataclass

@@ -12,6 +12,7 @@ import asyncio
 import base64
 import concurrent.futures
 import logging
+import math
 import queue
 import threading
 import time
@@ -45,6 +46,7 @@ from pdserve.worker.protocol import (
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+CLOCK_MARGIN_S = 1.0  # allowed disagreement between host clocks for KV write deadlines
 KV_EVENT_HISTORY = 4096  # batches kept for subscribers that fall behind; older gaps get a full dump
 
 
@@ -95,7 +97,10 @@ class RankRuntime:
         self.counters = RankCounters()
         self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.Queue()
         self._streams: dict[str, asyncio.Queue[TokenEvent]] = {}
-        self._destinations: dict[str, tuple[str, KVDestination]] = {}  # prefill request -> (peer, where to write)
+        # prefill request -> (peer, where to write, Unix time after which it must not write)
+        self._destinations: dict[str, tuple[str, KVDestination, float]] = {}
+        self._quarantined: set[str] = set()  # failed decode reservations held until a late WRITE cannot land
+        self._quarantine_tasks: set[asyncio.Task] = set()
         self._transfers: dict[str, _Transfer] = {}
         self._notified: set[str] = set()
         self._known_peers: set[str] = set()
@@ -170,7 +175,7 @@ class RankRuntime:
                     return
         finally:
             self._streams.pop(request_id, None)
-            if request_id in self.engine.requests:  # the caller went away mid-stream
+            if request_id in self.engine.requests and request_id not in self._quarantined:  # caller went away
                 await self._call(lambda: self.engine.abort(request_id))
 
     async def abort(self, request_id: str) -> bool:
@@ -191,7 +196,7 @@ class RankRuntime:
                 if plan.destination is None:
                     return self._error(request_id, "a prefill plan needs a destination")
                 peer = await self._learn_peer(plan.destination)
-                self._destinations[request_id] = (peer, plan.destination)
+                self._destinations[request_id] = (peer, plan.destination, plan.destination.write_deadline_unix_s or math.inf)
                 await self._call(
                     lambda: self.engine.add_prefill_only(request_id, request.prompt_token_ids, request.sampling)
                 )
@@ -209,28 +214,45 @@ class RankRuntime:
         reserved = await self._call(
             lambda: self.engine.reserve(request_id, request.prompt_token_ids, request.sampling)
         )
-        destination = KVDestination(self.cfg.worker_url, self.cfg.rank, self.agent.name, list(reserved.page_ids))
+        write_deadline_unix_s = time.time() + self.cfg.prefill_timeout_s
+        destination = KVDestination(self.cfg.worker_url, self.cfg.rank, self.agent.name, list(reserved.page_ids),
+                                    write_deadline_unix_s=write_deadline_unix_s)
         prefill_request = GenerateRequest(
             request_id=request_id, rank=source.rank, prompt_token_ids=request.prompt_token_ids,
             sampling=request.sampling, plan=type(request.plan)(kind="prefill", destination=destination),
         )
         first: TokenEvent | None = None
+        prefill_client = WorkerClient(source.url, self._http)
         try:
-            async for event in WorkerClient(source.url, self._http).generate(prefill_request, self.cfg.prefill_timeout_s):
+            async for event in prefill_client.generate(prefill_request, self.cfg.prefill_timeout_s):
                 first = event
                 if event.finish_reason is not None:
                     break
             if first is None or first.finish_reason == "error" or not first.token_ids:
-                raise WorkerUnavailable(f"prefill failed: {first.error if first else 'no answer'}")
+                raise WorkerUnavailable(f"prefill failed: {first.error if first else 'no answer'}", refused=first is not None)
             await self._wait_notified(request_id)
-        except BaseException:
-            await self._call(lambda: self.engine.abort(request_id))
+        except BaseException as error:
+            if isinstance(error, WorkerUnavailable) and error.refused:
+                await self._call(lambda: self.engine.abort(request_id))
+            else:
+                await prefill_client.abort(request_id)
+                # the prefill may still post a WRITE until the deadline: keep the pages out of use until it can't land
+                quarantine_s = write_deadline_unix_s + self.cfg.transfer_timeout_s + CLOCK_MARGIN_S - time.time()
+                self._quarantined.add(request_id)
+                task = asyncio.create_task(self._abort_after(request_id, quarantine_s))
+                self._quarantine_tasks.add(task)
+                task.add_done_callback(self._quarantine_tasks.discard)
             raise
         logprob = first.logprobs[0] if first.logprobs else None
         output = await self._call(lambda: self.engine.start_decoding(request_id, first.token_ids[0], logprob))
         event = self._event(output)
         event.cached_tokens = first.cached_tokens
         return event
+
+    async def _abort_after(self, request_id: str, delay_s: float) -> None:
+        await asyncio.sleep(max(0.0, delay_s))
+        await self._call(lambda: self.engine.abort(request_id))
+        self._quarantined.discard(request_id)
 
     async def _wait_notified(self, request_id: str) -> None:
         deadline = time.monotonic() + self.cfg.transfer_timeout_s
@@ -318,8 +340,13 @@ class RankRuntime:
         if target is None:
             self._emit(self._event(output))
             return
-        peer, destination = target
+        peer, destination, write_deadline_s = target
         request = self.engine.requests[output.request_id]
+        if time.time() > write_deadline_s:  # the decode rank has given up: its pages may be someone else's now
+            self.engine.release(output.request_id)
+            self.counters.kv_transfer_failures += 1
+            self._emit(self._error(output.request_id, "KV write deadline passed before the prefill finished"))
+            return
         pages = slice(destination.skip_pages, len(destination.page_ids))
         try:
             handle = self.agent.write_pages(peer, request.page_ids[pages], destination.page_ids[pages],

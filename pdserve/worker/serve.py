@@ -24,7 +24,8 @@ def run_worker(cfg: WorkerConfig) -> None:
     use_gpus = ray.cluster_resources().get("GPU", 0) >= cfg.num_ranks and cfg.engine.device != "cpu"
     rank_configs = [
         RankConfig(rank=i, role=cfg.role, engine=cfg.engine, worker_url=cfg.url,
-                   transfer_timeout_s=cfg.transfer_timeout_s, world_size=cfg.num_ranks,
+                   transfer_timeout_s=cfg.transfer_timeout_s,
+                   prefill_timeout_s=cfg.prefill_timeout_s, world_size=cfg.num_ranks,
                    expert_parallel=cfg.expert_parallel)
         for i in range(cfg.num_ranks)
     ]

@@ -1,6 +1,8 @@
 """Faults between real prefill and decode workers: the caller gets a clear error (never a hang), no page leaks,
 and the survivors keep serving."""
 
+import os
+import signal
 import threading
 import time
 
@@ -82,3 +84,27 @@ def test_abort_mid_stream_ends_with_abort_and_frees_pages(cluster):
     assert not plan_thread.is_alive()
     assert result["events"][-1].finish_reason == "abort"
     assert eventually(lambda: pages_at_rest(decode.url))
+
+
+def test_a_stalled_prefill_times_out_and_its_late_write_never_lands_in_reused_pages(tiny_v2, ray_address, tmp_path):
+    cfg = ClusterConfig(model=tiny_v2, port=0, num_prefill=1, num_decode=1, ray_address=ray_address,
+                        worker_args=("--dtype", "float32", "--num-pages", "512", "--prefill-timeout-s", "3",
+                                     "--transfer-timeout-s", "2"),
+                        log_dir=str(tmp_path))
+    with LocalCluster(cfg) as cluster:
+        prefill, decode = cluster.workers
+        expected = token_ids(disaggregated(decode.url, prefill.url, PROMPT, GREEDY))
+        os.kill(prefill.process.pid, signal.SIGSTOP)  # its HTTP server stops; the request waits in the socket
+        try:
+            started = time.monotonic()
+            events = disaggregated(decode.url, prefill.url, PROMPT, GREEDY)
+            assert events[-1].finish_reason == "error" and time.monotonic() - started < 30, events[-1]
+            assert not pages_at_rest(decode.url)  # the reservation is quarantined, not freed
+            assert eventually(lambda: pages_at_rest(decode.url), timeout_s=20)
+        finally:
+            os.kill(prefill.process.pid, signal.SIGCONT)  # the late request now reaches the prefill rank
+        # the late request is either aborted before it runs or computed and refused its WRITE (deadline passed)
+        time.sleep(3)
+        assert eventually(lambda: pages_at_rest(prefill.url))
+        for _ in range(3):  # the decode pool is intact: pages reused since give the same tokens
+            assert token_ids(disaggregated(decode.url, prefill.url, PROMPT, GREEDY)) == expected
