@@ -13,7 +13,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.cuda_graphs import decode_graph_config
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.request import Request
 from pdserve.engine.sampler import sample
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -182,7 +182,7 @@ class Engine:
             self.prefix_cache.evict(num_pages - self.allocator.num_free)
             pages = self.allocator.alloc(num_pages)
         if pages is None:
-            self._forget_unstarted(request)
+            self._forget(request)
             raise NoCapacityError(f"no room for {num_pages} pages ({self.allocator.num_free} free)")
         request.page_ids = pages
         return request
@@ -202,10 +202,6 @@ class Engine:
         self.scheduler.finish(request, "abort")
         self._forget(request)
         return True
-
-    def _forget_unstarted(self, request: Request) -> None:
-        self.requests.pop(request.request_id, None)
-        self.detokenizers.pop(request.request_id, None)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work
@@ -298,4 +294,3 @@ class Engine:
         if not request.keep_pages_on_finish:
             self.requests.pop(request.request_id, None)
         self.detokenizers.pop(request.request_id, None)
-        assert request.status is RequestStatus.FINISHED

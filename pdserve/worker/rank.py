@@ -17,14 +17,12 @@ import queue
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
 
-from pdserve.cache.events import KVEvent
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine, InvalidRequestError, NoCapacityError, RequestOutput
 from pdserve.engine.lockstep import Lockstep
@@ -33,6 +31,7 @@ from pdserve.model.deepseek import ExpertRange
 from pdserve.ops.moe_ep import ExpertParallelMoE
 from pdserve.transfer.agent import KVTransferAgent, TransferError, TransferHandle
 from pdserve.worker.client import WorkerClient, WorkerUnavailable
+from pdserve.worker.kv_event_log import KVEventLog
 from pdserve.worker.protocol import (
     GenerateRequest,
     KVDestination,
@@ -47,7 +46,6 @@ from pdserve.worker.protocol import (
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 CLOCK_MARGIN_S = 1.0  # allowed disagreement between host clocks for KV write deadlines
-KV_EVENT_HISTORY = 4096  # batches kept for subscribers that fall behind; older gaps get a full dump
 
 
 @dataclass(frozen=True)
@@ -85,13 +83,12 @@ class _Transfer:
 class RankRuntime:
     def __init__(self, cfg: RankConfig):
         self.cfg = cfg
-        self._kv_batches: deque[KVEventBatch] = deque(maxlen=KV_EVENT_HISTORY)
-        self._kv_seq = 0
+        self.kv_events = KVEventLog(cfg.rank)
         self.lockstep: Lockstep | None = None
         if cfg.expert_parallel:
             self.engine, self.lockstep = self._expert_parallel_engine(cfg)
         else:
-            self.engine = Engine(cfg.engine, on_kv_events=self._record_kv_events)
+            self.engine = Engine(cfg.engine, on_kv_events=self.kv_events.record)
         name = f"{cfg.role}-r{cfg.rank}-{uuid.uuid4().hex[:12]}"  # new per start: peers re-learn a restarted rank
         self.agent = KVTransferAgent(name, self.engine.runner.kv_cache, progress_thread=False)
         self.counters = RankCounters()
@@ -115,7 +112,7 @@ class RankRuntime:
         num_experts = ModelConfig.from_dir(cfg.engine.model).n_routed_experts
         moe = ExpertParallelMoE(None, num_experts)
         experts = ExpertRange(moe.first_expert, moe.experts_per_rank)
-        engine = Engine(cfg.engine, experts, self._record_kv_events, moe=moe)
+        engine = Engine(cfg.engine, experts, self.kv_events.record, moe=moe)
         log.info("rank %s of %s: routed experts [%s, %s), %.1f MiB of expert weights", cfg.rank, cfg.world_size,
                  experts.first, experts.first + experts.count, engine.runner.model.routed_expert_bytes() / 2**20)
         return engine, Lockstep(None, engine.device)
@@ -387,23 +384,9 @@ class RankRuntime:
         if stream is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(stream.put_nowait, event)
 
-    def _record_kv_events(self, events: list[KVEvent]) -> None:
-        self._kv_seq += 1
-        self._kv_batches.append(KVEventBatch(self.cfg.rank, self._kv_seq, events))
-
-    # --- KV events for the router ---------------------------------------------------------------------------
     async def kv_events_after(self, after: int) -> list[KVEventBatch]:
-        """Batches with seq > after; a full dump (cleared + every stored block) when `after` is -1 or too old."""
-
-        def collect() -> list[KVEventBatch]:
-            oldest = self._kv_batches[0].seq if self._kv_batches else self._kv_seq + 1
-            if after >= 0 and after + 1 >= oldest and after <= self._kv_seq:
-                return [b for b in self._kv_batches if b.seq > after]
-            cache = self.engine.prefix_cache
-            stored = [KVEvent("stored", [block], parent) for parent, block in (cache.stored_blocks() if cache else [])]
-            return [KVEventBatch(self.cfg.rank, self._kv_seq, [KVEvent("cleared"), *stored])]
-
-        return await self._call(collect)
+        cache = self.engine.prefix_cache
+        return await self._call(lambda: self.kv_events.after(after, cache.stored_blocks if cache else list))
 
     # --- events ---------------------------------------------------------------------------------------------
     def _event(self, output: RequestOutput) -> TokenEvent:

@@ -3,7 +3,6 @@
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
@@ -171,5 +170,4 @@ def build_worker_app(cfg: WorkerConfig, ranks: RankSet, info: WorkerInfo, gate: 
                 metrics.update(handle.rank, engine_stats, counters)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.state.started_s = time.monotonic()
     return app
