@@ -27,7 +27,7 @@ from pdserve.ops.attention import AttentionBatch, TorchAttention
 from pdserve.ops.moe import TorchMoE
 from pdserve.ops.select import select_backends
 
-DEFAULT_CONFIG = Path(__file__).with_name("deepseek-v2-lite.config.json")
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "pdserve" / "model" / "configs" / "deepseek-v2-lite.json"
 
 
 def timed_ms(fn: Callable[[], object], device: torch.device, warmup: int = 2, iters: int = 10) -> float:

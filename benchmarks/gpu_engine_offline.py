@@ -20,7 +20,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
 
-DEFAULT_CONFIG = Path(__file__).with_name("deepseek-v2-lite.config.json")
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "pdserve" / "model" / "configs" / "deepseek-v2-lite.json"
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from pdserve.model.loader import build_model
 from pdserve.model.random_init import init_random_weights
 from pdserve.ops.select import select_backends
 
-DEFAULT_CONFIG = Path(__file__).with_name("deepseek-v2-lite.config.json")
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "pdserve" / "model" / "configs" / "deepseek-v2-lite.json"
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

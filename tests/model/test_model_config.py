@@ -7,14 +7,11 @@ import pytest
 
 from pdserve.model.config import ModelConfig, UnsupportedConfigError
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "models"
+CONFIGS = Path(__file__).resolve().parents[2] / "pdserve" / "model" / "configs"
 
 
 def released(name: str) -> dict:
-    path = SHARED / f"{name}.config.json"
-    if not path.is_file():
-        pytest.skip(f"{path} not present")
-    return json.loads(path.read_text())
+    return json.loads((CONFIGS / f"{name}.json").read_text())
 
 
 def test_v2_lite_and_v3_configs_give_576_cached_values_and_yarn_scale():

@@ -19,11 +19,12 @@ LONG = SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
 PROMPT = list(range(2, 60))
 
 
-@pytest.fixture()
-def cluster(tiny_v2, ray_address, tmp_path):
+@pytest.fixture(scope="module")
+def cluster(tiny_v2, ray_address, tmp_path_factory):
+    """Shared by the tests below; each restarts what it kills."""
     cfg = ClusterConfig(model=tiny_v2, port=0, num_prefill=1, num_decode=1, ray_address=ray_address,
                         worker_args=("--dtype", "float32", "--num-pages", "512", "--transfer-timeout-s", "10"),
-                        log_dir=str(tmp_path))
+                        log_dir=str(tmp_path_factory.mktemp("fault-cluster")))
     with LocalCluster(cfg) as local:
         yield local
 
