@@ -134,13 +134,15 @@ def inject(cluster: LocalCluster, fault: str, notes: list[str]) -> None:
 
 
 def recovery_s(report: LoadReport, baseline_tok_s: float, killed_s: float, end_s: float) -> float | None:
-    """Seconds from the kill until a THROUGHPUT_WINDOW_S window first holds RECOVERED_FRACTION of the baseline's
-    tokens. Tokens count when their request ends, so this includes the latency of the requests in flight."""
+    """Seconds from the kill until token throughput is back for good: every THROUGHPUT_WINDOW_S window starting
+    from then to the end holds RECOVERED_FRACTION of the baseline's tokens (None: still short at the end). Tokens
+    count when their request ends, so this includes the latency of requests in flight."""
     needed = RECOVERED_FRACTION * baseline_tok_s * THROUGHPUT_WINDOW_S
-    for start in frange(killed_s, end_s - THROUGHPUT_WINDOW_S, 0.25):
-        if report.tokens_between(start, start + THROUGHPUT_WINDOW_S) >= needed:
-            return start - killed_s
-    return None
+    starts = frange(killed_s, end_s - THROUGHPUT_WINDOW_S, 0.25)
+    short = [start for start in starts if report.tokens_between(start, start + THROUGHPUT_WINDOW_S) < needed]
+    if not starts or short and short[-1] == starts[-1]:
+        return None
+    return short[-1] + 0.25 - killed_s if short else 0.0
 
 
 async def run_phase(cluster: LocalCluster, model: str, fault: str, cfg: ChaosConfig, seed: int) -> FaultResult:
@@ -185,14 +187,19 @@ def run_chaos(cluster: LocalCluster, cfg: ChaosConfig, faults: tuple[str, ...] =
     return [asyncio.run(run_phase(cluster, model, fault, cfg, seed)) for seed, fault in enumerate(faults)]
 
 
+def cut_in_flight(report: LoadReport) -> int:
+    """Connections broken mid-request, as opposed to refused while the router was down."""
+    return sum(not cut.startswith("ConnectError") for cut in report.cut)
+
+
 def format_table(results: list[FaultResult]) -> str:
-    header = ("| fault | completed | migrated | retried | failed (clear error) | cut (router down) | hung | lost "
+    header = ("| fault | completed | migrated | retried | failed (clear error) | cut in flight / refused | hung | lost "
               "| restart s | recover s | tok/s before | lowest tok/s after |")
     rows = [header, "|" + " --- |" * 12]
     for r in results:
         recover = f"{r.recover_s:.1f}" if r.recover_s is not None else "not in phase"
         rows.append(f"| {r.fault} | {r.report.completed} | {r.migrated} | {r.retried} | {len(r.report.errors)} "
-                    f"| {len(r.report.cut)} | {r.report.hung} | {len(r.report.lost)} | {r.restart_s:.1f} "
+                    f"| {cut_in_flight(r.report)} / {len(r.report.cut) - cut_in_flight(r.report)} | {r.report.hung} | {len(r.report.lost)} | {r.restart_s:.1f} "
                     f"| {recover} | {r.baseline_tok_s:.0f} | {r.lowest_tok_s:.0f} |")
     return "\n".join(rows)
 
