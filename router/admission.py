@@ -1,6 +1,7 @@
 """Who may send a request and how many at once: API keys (constant-time compare), a bound on requests in flight
 and on concurrent requests per key (429 with Retry-After rather than an unbounded wait), and the body size."""
 
+import hashlib
 import hmac
 from collections.abc import Callable
 
@@ -17,10 +18,12 @@ def authenticate(authorization: str | None, api_keys: frozenset[str]) -> str:
     token = token.strip()
     if scheme.lower() != "bearer" or not token:
         raise APIError(401, "missing API key: send `Authorization: Bearer <key>`", code="invalid_api_key")
-    # Compare against every key, always, so the time taken says nothing about which key (or prefix) was close.
+    # Compare against every key, always, so the time taken says nothing about which key (or prefix) was close;
+    # compare digests, not the keys, because compare_digest returns early on a length mismatch (leaking key lengths).
+    token_digest = hashlib.sha256(token.encode()).digest()
     matched = False
     for key in api_keys:
-        matched |= hmac.compare_digest(token.encode(), key.encode())
+        matched |= hmac.compare_digest(token_digest, hashlib.sha256(key.encode()).digest())
     if not matched:
         raise APIError(401, "incorrect API key provided", code="invalid_api_key")
     return token

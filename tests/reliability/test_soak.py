@@ -57,7 +57,8 @@ def soak(cluster, concurrency: int, duration_s: float, warmup_s: float) -> None:
         print(f"  rss {name:>22}: start {before.get(name, 0):7.1f} MiB  warm {warm.get(name, 0):7.1f} MiB  "
               f"end {after[name]:7.1f} MiB  growth after warm-up {growth:+6.1f} MiB")
 
-    assert report.errors == [] and report.hung == 0, report.errors[:5]
+    assert report.errors == [] and report.cut == [] and report.lost == [] and report.hung == 0, \
+        (report.errors + report.cut + report.lost)[:5]
     assert report.completed >= concurrency
     for worker in cluster.workers:
         assert eventually(lambda w=worker: pages_at_rest(w.url), timeout_s=30), f"{worker.name} holds pages"
