@@ -29,6 +29,7 @@ class WorkerState:
     info: WorkerInfo | None = None
     health: WorkerHealth | None = None
     admitted: bool = False  # passed a health check since its last ejection
+    suspect: bool = False  # a request just failed to reach it: no new work until its next good health check
     consecutive_failures: int = 0
     rank_loads: dict[int, RankLoad] = field(default_factory=dict)
     assigned_since_poll: dict[int, int] = field(default_factory=dict)  # counted as waiting until the next poll
@@ -36,7 +37,8 @@ class WorkerState:
 
     @property
     def routable(self) -> bool:
-        return self.admitted and self.info is not None and self.health is not None and self.health.status == "ok"
+        healthy = self.health is not None and self.health.status == "ok"
+        return self.admitted and not self.suspect and self.info is not None and healthy
 
 
 class WorkerPool:
@@ -109,10 +111,12 @@ class WorkerPool:
             worker.assigned_since_poll[key[1]] = worker.assigned_since_poll.get(key[1], 0) + 1
 
     def report_failure(self, url: str) -> None:
-        """A request could not reach the worker: one failure towards ejection, as a failed health check."""
+        """A request could not reach the worker: route around it until its next health check decides. Only health
+        checks eject, so a burst of concurrent failures (one slow moment under load) does not eject a live worker."""
         worker = self.workers.get(url)
-        if worker is not None:
-            self._fail(worker, "request failed")
+        if worker is not None and not worker.suspect:
+            logger.warning("worker %s suspect: a request failed to reach it", url)
+            worker.suspect = True
 
     # --- supervision -----------------------------------------------------------------------------------------------
 
@@ -147,6 +151,7 @@ class WorkerPool:
         worker.rank_loads = {load.rank: load for load in load_report.ranks}
         worker.assigned_since_poll = {}
         worker.consecutive_failures = 0
+        worker.suspect = False
         if not worker.admitted:
             worker.admitted = True
             logger.info("worker %s admitted (%s, %d ranks)", worker.url, worker.info.role, len(worker.info.ranks))

@@ -18,6 +18,7 @@ from pdserve.worker.protocol import (
 )
 
 T = TypeVar("T")
+GENERATE_CONNECT_TIMEOUT_S = 5.0  # a busy worker may accept slowly; that is not the quick probe a health check is
 
 
 class WorkerUnavailable(Exception):
@@ -88,7 +89,8 @@ class WorkerClient:
     async def generate(self, request: GenerateRequest, first_token_timeout_s: float) -> AsyncIterator[TokenEvent]:
         """Stream the request's TokenEvents. WorkerUnavailable before the first event means nothing was generated
         (safe to retry elsewhere); a stream that ends without a finish_reason yields a final error event."""
-        timeout = httpx.Timeout(connect=self._timeout_s, read=first_token_timeout_s, write=10.0, pool=10.0)
+        connect_s = max(self._timeout_s, GENERATE_CONNECT_TIMEOUT_S)
+        timeout = httpx.Timeout(connect=connect_s, read=first_token_timeout_s, write=10.0, pool=10.0)
         body = msgspec.json.encode(request)
         decoder = msgspec.json.Decoder(TokenEvent)
         got_event = False

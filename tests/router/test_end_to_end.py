@@ -91,9 +91,15 @@ def test_killing_a_worker_mid_run_loses_no_request_and_is_reported(tiny_v2, ray_
         assert all(o == "ok" or o.startswith("error") for o in outcomes)
         after = [one(100 + i) for i in range(4)]
         assert after == ["ok"] * 4  # new requests go to the survivor only
-        metrics = httpx.get(cluster.url + "/metrics", timeout=10).text
-        ejections = [line for line in metrics.splitlines() if line.startswith("pdserve_router_worker_ejections_total")]
-        assert ejections and float(ejections[0].split()[-1]) >= 1
+        def ejections() -> float:
+            metrics = httpx.get(cluster.url + "/metrics", timeout=10).text
+            lines = [line for line in metrics.splitlines() if line.startswith("pdserve_router_worker_ejections_total")]
+            return float(lines[0].split()[-1]) if lines else 0.0
+
+        deadline = time.monotonic() + 15  # health checks eject a dead worker within seconds
+        while ejections() < 1 and time.monotonic() < deadline:
+            time.sleep(0.25)
+        assert ejections() >= 1
 
 
 def routed_match_sum(cluster) -> float:
