@@ -1,7 +1,9 @@
-"""TTFT added by disaggregation on the CPU: one colocated (both) worker vs prefill worker -> NIXL -> decode worker,
-real processes, tiny generated model, prompts of 256 to 8k tokens; plus the KV transfer rate the prefill side saw.
+"""TTFT added by disaggregation: one colocated (both) worker vs prefill worker -> NIXL -> decode worker, real
+processes, prompts of 256 to 8k tokens; plus the KV transfer rate the prefill side saw.
 
-    python benchmarks/disagg_ttft.py [--repeats 3]
+    python benchmarks/disagg_ttft.py [--repeats 3]                 # CPU: tiny generated model, float32
+    python benchmarks/disagg_ttft.py --device cuda                  # GPU: V2-Lite shape, random bf16 weights,
+                                                                    # the three workers sharing one GPU (VRAM -> VRAM)
 
 Prints one table. TTFT here is measured at the worker API (no router), first streamed token.
 """
@@ -13,16 +15,20 @@ import statistics
 import tempfile
 import time
 
+import json
+from pathlib import Path
+
 import httpx
 import torch
 
 from pdserve.cluster.local import ClusterConfig, LocalCluster
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.model.tiny import make_tiny_model
+from pdserve.model.tiny import make_config_only_model, make_tiny_model
 from pdserve.worker.client import WorkerClient
 from pdserve.worker.protocol import GenerateRequest, Plan, PrefillSource
 
 PROMPT_LENGTHS = (256, 1024, 2048, 4096, 8192)
+V2_LITE_CONFIG = Path(__file__).resolve().parents[1] / "pdserve" / "model" / "configs" / "deepseek-v2-lite.json"
 
 
 async def ttft_s(url: str, request: GenerateRequest) -> float:
@@ -41,13 +47,28 @@ def transfer_totals(prefill_url: str) -> tuple[float, float]:
     return total("pdserve_kv_transfer_bytes_total"), total("pdserve_kv_transfer_seconds_sum")
 
 
+def cluster_config(device: str) -> tuple[ClusterConfig, str]:
+    common = ("--no-prefix-cache", "--max-num-batched-tokens", "8192")
+    if device == "cuda":
+        # Three V2-Lite workers (31 GB of bf16 weights each) on one GPU: a share of it each, pools sized by hand.
+        v2_lite_dir = make_config_only_model(tempfile.mkdtemp(), json.loads(V2_LITE_CONFIG.read_text()))
+        worker_args = ("--dtype", "bfloat16", "--load-format", "random", "--gpus-per-rank", "0.3",
+                       "--page-size", "64", "--num-pages", "512", "--max-num-seqs", "8", *common)
+        return (ClusterConfig(model=str(v2_lite_dir), port=0, num_prefill=1, num_decode=1,
+                              num_both=1, worker_args=worker_args, start_timeout_s=900),
+                "DeepSeek-V2-Lite shape, random weights, bf16, three workers on one GPU (KV VRAM -> VRAM)")
+    model = make_tiny_model(tempfile.mkdtemp(), overrides={"max_position_embeddings": 16384})
+    return (ClusterConfig(model=str(model), port=0, num_prefill=1, num_decode=1, num_both=1,
+                          worker_args=("--dtype", "float32", *common)),
+            "tiny v2 model (3 layers, 40 cached values per token per layer), float32, one host")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
-    model = make_tiny_model(tempfile.mkdtemp(), overrides={"max_position_embeddings": 16384})
-    cfg = ClusterConfig(model=str(model), port=0, num_prefill=1, num_decode=1, num_both=1,
-                        worker_args=("--dtype", "float32", "--no-prefix-cache", "--max-num-batched-tokens", "8192"))
+    cfg, title = cluster_config(args.device)
     sampling = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -69,7 +90,7 @@ def main() -> None:
             kv_mb = (bytes_after - bytes_before) / (args.repeats + 1) / 1e6
             c_ms, d_ms = statistics.median(colocated) * 1e3, statistics.median(disaggregated) * 1e3
             rows.append((n, c_ms, d_ms, d_ms - c_ms, kv_mb, rate))
-    print("tiny v2 model (3 layers, 40 cached values per token per layer), float32, one host")
+    print(title)
     print(f"{'prompt':>7} {'colocated TTFT ms':>18} {'P/D TTFT ms':>12} {'added ms':>9} {'KV MB':>7} {'transfer GB/s':>14}")
     for n, c_ms, d_ms, added, kv_mb, rate in rows:
         print(f"{n:7d} {c_ms:18.1f} {d_ms:12.1f} {added:9.1f} {kv_mb:7.2f} {rate:14.2f}")

@@ -232,6 +232,18 @@ def make_tiny_model(
     return out_path
 
 
+def make_config_only_model(out_dir: str | Path, config: dict) -> Path:
+    """A model directory without weights, for workers started with `--load-format random` (benchmarks of real
+    shapes): `config` as given, plus the tiny tokenizer so the router can serve text (its ids are a small subset
+    of any real vocabulary)."""
+    out_path = Path(out_dir)
+    out_path.mkdir(parents=True, exist_ok=True)
+    _write_json(out_path / "config.json", config)
+    arch = "v3" if config["model_type"] == "deepseek_v3" else "v2"
+    write_tiny_tokenizer(out_path, arch, model_max_length=config["max_position_embeddings"])
+    return out_path
+
+
 def dequantized_twin(fp8_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
     """Writes the fp8 checkpoint at `fp8_dir` again with every fp8 weight dequantized and no quantization_config."""
     torch_dtype = _torch_dtype(dtype)

@@ -21,6 +21,7 @@ class WorkerConfig:
     transfer_timeout_s: float = 30.0
     prefill_timeout_s: float = 120.0
     drain_timeout_s: float = 30.0
+    gpus_per_rank: float = 1.0  # below 1, workers share a GPU (small models, single-GPU benchmarks)
 
     @property
     def url(self) -> str:
@@ -51,6 +52,11 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-timeout-s", type=float, default=120.0,
                         help="decode side: bound on waiting for a prefill worker's first token")
     parser.add_argument("--drain-timeout-s", type=float, default=30.0, help="grace period for in-flight requests on SIGTERM")
+    parser.add_argument("--gpus-per-rank", type=float, default=1.0,
+                        help="GPU share Ray reserves per rank; below 1 several workers share a GPU (set --num-pages then)")
+    parser.add_argument("--load-format", choices=("safetensors", "random"), default="safetensors",
+                        help="random: the config's shape with random weights (benchmarks; no checkpoint needed)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of random weights and of unseeded sampling")
 
 
 def worker_config_from_args(args: argparse.Namespace, model_dir: str) -> WorkerConfig:
@@ -59,10 +65,11 @@ def worker_config_from_args(args: argparse.Namespace, model_dir: str) -> WorkerC
         kv_cache_memory_gb=args.kv_cache_memory_gb, gpu_memory_fraction=args.gpu_memory_fraction,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache, progress=False,
+        load_format=args.load_format, seed=args.seed,
     )
     return WorkerConfig(
         engine=engine, role=args.role, num_ranks=args.ranks, expert_parallel=args.expert_parallel, host=args.host, port=args.port,
         advertise_url=args.advertise_url, ray_address=args.ray_address, served_model_name=args.served_model_name,
         transfer_timeout_s=args.transfer_timeout_s, prefill_timeout_s=args.prefill_timeout_s,
-        drain_timeout_s=args.drain_timeout_s,
+        drain_timeout_s=args.drain_timeout_s, gpus_per_rank=args.gpus_per_rank,
     )

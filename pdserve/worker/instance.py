@@ -16,15 +16,15 @@ log = logging.getLogger(__name__)
 
 
 class ExpertParallelInstance:
-    def __init__(self, rank_configs: list[RankConfig], use_gpus: bool):
+    def __init__(self, rank_configs: list[RankConfig], gpus_per_rank: float):
         self.rank_configs = rank_configs
-        self.use_gpus = use_gpus
-        self.group = place_ranks(len(rank_configs), use_gpus)
+        self.gpus_per_rank = gpus_per_rank
+        self.group = place_ranks(len(rank_configs), gpus_per_rank)
         self.handles: list[RankHandle] = []
         self.restarts = 0
 
     async def start(self) -> list[RankHandle]:
-        handles = start_actors(self.group, self.rank_configs, self.use_gpus, max_restarts=0)
+        handles = start_actors(self.group, self.rank_configs, self.gpus_per_rank, max_restarts=0)
         self.handles = handles
         address = await handles[0].rendezvous_address(RANK_START_TIMEOUT_S)
         await asyncio.gather(*(h.join(address, RANK_START_TIMEOUT_S) for h in handles))

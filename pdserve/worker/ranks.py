@@ -140,27 +140,28 @@ def connect_ray(address: str | None) -> None:
              logging_level=logging.WARNING, namespace="pdserve")
 
 
-def place_ranks(num_ranks: int, use_gpus: bool) -> PlacementGroup:
-    """A placement group of one bundle per rank, packed (spanning nodes when one cannot hold them all)."""
-    bundle = {"GPU": 1} if use_gpus else {"CPU": 0.01}
+def place_ranks(num_ranks: int, gpus_per_rank: float) -> PlacementGroup:
+    """A placement group of one bundle per rank, packed (spanning nodes when one cannot hold them all);
+    `gpus_per_rank` 0: CPU ranks."""
+    bundle = {"GPU": gpus_per_rank} if gpus_per_rank else {"CPU": 0.01}
     group = placement_group([dict(bundle) for _ in range(num_ranks)], strategy="PACK")
     ray.get(group.ready(), timeout=RANK_START_TIMEOUT_S)
     return group
 
 
-def start_actors(group: PlacementGroup, rank_configs: list[RankConfig], use_gpus: bool,
+def start_actors(group: PlacementGroup, rank_configs: list[RankConfig], gpus_per_rank: float,
                  max_restarts: int) -> list[RankHandle]:
     handles = []
     for index, cfg in enumerate(rank_configs):
         actor = RankActor.options(
-            num_cpus=0 if use_gpus else 0.01, num_gpus=1 if use_gpus else 0, max_restarts=max_restarts,
+            num_cpus=0 if gpus_per_rank else 0.01, num_gpus=gpus_per_rank, max_restarts=max_restarts,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
         ).remote(msgspec.json.encode(cfg))
         handles.append(RankHandle(cfg.rank, actor))
     return handles
 
 
-def start_ranks(rank_configs: list[RankConfig], use_gpus: bool) -> list[RankHandle]:
+def start_ranks(rank_configs: list[RankConfig], gpus_per_rank: float) -> list[RankHandle]:
     """Independent DP ranks: one actor each, which Ray restarts on its own when it dies."""
-    group = place_ranks(len(rank_configs), use_gpus)
-    return start_actors(group, rank_configs, use_gpus, MAX_RANK_RESTARTS)
+    group = place_ranks(len(rank_configs), gpus_per_rank)
+    return start_actors(group, rank_configs, gpus_per_rank, MAX_RANK_RESTARTS)

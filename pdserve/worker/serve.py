@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 
 def run_worker(cfg: WorkerConfig) -> None:
     connect_ray(cfg.ray_address)
-    use_gpus = ray.cluster_resources().get("GPU", 0) >= cfg.num_ranks and cfg.engine.device != "cpu"
+    on_gpus = ray.cluster_resources().get("GPU", 0) >= cfg.num_ranks * cfg.gpus_per_rank and cfg.engine.device != "cpu"
+    gpus_per_rank = cfg.gpus_per_rank if on_gpus else 0.0
     rank_configs = [
         RankConfig(rank=i, role=cfg.role, engine=cfg.engine, worker_url=cfg.url,
                    transfer_timeout_s=cfg.transfer_timeout_s,
@@ -32,11 +33,11 @@ def run_worker(cfg: WorkerConfig) -> None:
     mode = " (one expert-parallel instance)" if cfg.expert_parallel else ""
     print(f"pdserve worker: loading {cfg.engine.model} on {cfg.num_ranks} rank(s){mode} ...", flush=True)
     if cfg.expert_parallel:
-        instance = ExpertParallelInstance(rank_configs, use_gpus)
+        instance = ExpertParallelInstance(rank_configs, gpus_per_rank)
         handles = asyncio.run(instance.start())
         rank_set = RankSet(handles, restart=instance.restart)
     else:
-        handles = start_ranks(rank_configs, use_gpus)
+        handles = start_ranks(rank_configs, gpus_per_rank)
         rank_set = RankSet(handles)
     infos = asyncio.run(_gather_infos(handles))
     model_cfg = ModelConfig.from_dir(cfg.engine.model)
