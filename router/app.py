@@ -20,7 +20,7 @@ from router.discovery import Discovery, KubernetesDiscovery, StaticDiscovery
 from router.dispatch import Dispatcher
 from router.errors import APIError
 from router.metrics import RouterMetrics
-from router.policies import make_policy
+from router.policies import LocalPrefillRule, make_policy
 from router.prefix_index import PrefixIndex
 from router.serving import Serving
 from router.tokenizer import PromptTokenizer
@@ -70,7 +70,8 @@ def build_router_app(config: RouterConfig, discovery: Discovery | None = None) -
                           config.eject_after_failures)
         dispatcher = Dispatcher(pool, index, make_policy(config.routing, config.prefix_weight, config.load_weight),
                                 metrics, config.max_attempts, config.first_token_timeout_s, config.retry_after_s,
-                                tokenizer.detokenizer, config.max_migrations)
+                                tokenizer.detokenizer, config.max_migrations,
+                                LocalPrefillRule(config.local_prefill_max_tokens, config.local_prefill_min_queue))
         parts.pool = pool
         parts.serving = Serving(
             tokenizer, dispatcher, metrics, config.model_name,

@@ -22,6 +22,9 @@ class RouterConfig:
     routing: RoutingPolicy = "prefix"
     prefix_weight: float = 1.0
     load_weight: float = 0.5
+    # Conditional disaggregation (LocalPrefillRule in router/policies.py); 0 tokens: every prompt goes to a prefill rank.
+    local_prefill_max_tokens: int = 0
+    local_prefill_min_queue: int = 1
     api_keys: frozenset[str] = field(default_factory=frozenset)  # empty: no authentication
     # Limits: what a request may ask for before it is refused with a 4xx.
     max_body_bytes: int = 4 * 1024 * 1024
@@ -46,6 +49,8 @@ class RouterConfig:
             (self.routing in ("prefix", "round_robin", "least_load"), f"routing must be prefix|round_robin|least_load, got {self.routing!r}"),
             (self.discovery in ("static", "k8s"), f"discovery must be static|k8s, got {self.discovery!r}"),
             (self.prefix_weight >= 0 and self.load_weight >= 0, "prefix_weight and load_weight must be >= 0"),
+            (self.local_prefill_max_tokens >= 0 and self.local_prefill_min_queue >= 0,
+             "local_prefill_max_tokens and local_prefill_min_queue must be >= 0"),
             (self.max_attempts >= 1, "max_attempts must be >= 1"),
             (self.max_migrations >= 0, "max_migrations must be >= 0"),
             (self.eject_after_failures >= 1, "eject_after_failures must be >= 1"),
@@ -80,6 +85,11 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routing", choices=["prefix", "round_robin", "least_load"], default="prefix")
     parser.add_argument("--prefix-weight", type=float, default=1.0)
     parser.add_argument("--load-weight", type=float, default=0.5)
+    parser.add_argument("--local-prefill-max-tokens", type=int, default=0,
+                        help="conditional disaggregation: prefill prompts of at most this many tokens on the "
+                             "decode worker when the prefill rank is busy (0: off)")
+    parser.add_argument("--local-prefill-min-queue", type=int, default=1,
+                        help="...busy meaning at least this many requests running or waiting on it (0: always)")
     parser.add_argument("--api-keys-file", default="", help="file with one API key per line (default: no auth)")
 
 
@@ -96,5 +106,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         routing=args.routing,
         prefix_weight=args.prefix_weight,
         load_weight=args.load_weight,
+        local_prefill_max_tokens=args.local_prefill_max_tokens,
+        local_prefill_min_queue=args.local_prefill_min_queue,
         api_keys=read_api_keys(args.api_keys_file) if args.api_keys_file else frozenset(),
     )

@@ -16,7 +16,7 @@ from pdserve.worker.protocol import GenerateRequest, Plan, PrefillSource, TokenE
 from router.errors import APIError
 from router.metrics import RouterMetrics
 from router.migration import Continuation, DetokenizerFactory
-from router.policies import Policy, RoutingRequest, choose_decode
+from router.policies import LocalPrefillRule, Policy, RoutingRequest, choose_decode
 from router.prefix_index import PrefixIndex, RankKey
 from pdserve.worker.client import WorkerUnavailable
 from router.workers import WorkerPool
@@ -44,6 +44,7 @@ class Dispatcher:
         self, pool: WorkerPool, index: PrefixIndex, policy: Policy, metrics: RouterMetrics,
         max_attempts: int, first_token_timeout_s: float, retry_after_s: int,
         make_detokenizer: DetokenizerFactory, max_migrations: int = 2,
+        local_prefill: LocalPrefillRule = LocalPrefillRule(),
     ) -> None:
         self._pool = pool
         self._index = index
@@ -51,6 +52,7 @@ class Dispatcher:
         self._metrics = metrics
         self._max_attempts = max_attempts
         self._max_migrations = max_migrations
+        self._local_prefill = local_prefill
         self._make_detokenizer = make_detokenizer
         self._first_token_timeout_s = first_token_timeout_s
         self._retry_after_s = retry_after_s
@@ -78,6 +80,9 @@ class Dispatcher:
         if self._pool.role_of(prefill[0]) == "both":
             return Route(prefill, prefill, Plan(kind="both"), matches.get(prefill, 0))
         decode = choose_decode(decode_ranks, loads, sequence_number)
+        if self._local_prefill.prefill_on_decode(len(prompt_token_ids), loads.get(prefill)):
+            self._metrics.count_local_prefill()
+            return Route(decode, decode, Plan(kind="both"), 0)
         plan = Plan(kind="decode", prefill=PrefillSource(url=prefill[0], rank=prefill[1]))
         return Route(prefill, decode, plan, matches.get(prefill, 0))
 

@@ -39,6 +39,10 @@ class RouterMetrics:
             "pdserve_router_migrations", "Streams continued on another decode path after their worker failed mid-stream.",
             labels, registry=self.registry,
         )
+        self._local_prefills = Counter(
+            "pdserve_router_local_prefills", "Requests prefilled on their decode rank (conditional disaggregation).",
+            labels, registry=self.registry,
+        )
         self._healthy_workers = Gauge("pdserve_router_healthy_workers", "Workers routable now.", labels, registry=self.registry)
 
     def _labels(self, metric):
@@ -70,6 +74,9 @@ class RouterMetrics:
 
     def count_migration(self) -> None:
         self._labels(self._migrations).inc()
+
+    def count_local_prefill(self) -> None:
+        self._labels(self._local_prefills).inc()
 
     def set_healthy_workers(self, count: int) -> None:
         self._labels(self._healthy_workers).set(count)

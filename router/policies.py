@@ -68,6 +68,22 @@ def choose_decode(candidates: list[RankKey], loads: dict[RankKey, RankLoad], seq
     return route_least_load(candidates, loads, {}, RoutingRequest(prompt_len=0, sequence_number=sequence_number))
 
 
+@dataclass(frozen=True)
+class LocalPrefillRule:
+    """Conditional disaggregation: a short prompt whose prefill rank is busy is prefilled on its decode rank (plan
+    `both`) instead of queueing behind long prefills and paying for a KV hand-off it barely needs."""
+
+    # Prompts of at most this many tokens (all of them: the decode rank holds no prefix for them); 0: never.
+    max_tokens: int = 0
+    min_prefill_queue: int = 1  # ...when the prefill rank has at least this many requests running or waiting
+
+    def prefill_on_decode(self, prompt_tokens: int, prefill_load: RankLoad | None) -> bool:
+        if prompt_tokens > self.max_tokens:
+            return False
+        queue = prefill_load.running + prefill_load.waiting if prefill_load else 0
+        return queue >= self.min_prefill_queue
+
+
 def make_policy(name: str, prefix_weight: float, load_weight: float) -> Policy:
     if name == "prefix":
         return functools.partial(route_prefix, prefix_weight=prefix_weight, load_weight=load_weight)

@@ -2,16 +2,17 @@
 
 from pdserve.cache.block_hash import prefix_page_hashes
 from pdserve.cache.events import KVEvent
-from pdserve.worker.protocol import KVEventBatch, Plan, PrefillSource
+from pdserve.worker.protocol import KVEventBatch, Plan, PrefillSource, RankLoad
 from router.dispatch import Dispatcher
 from router.metrics import RouterMetrics
-from router.policies import make_policy
+from router.policies import LocalPrefillRule, make_policy
 from router.prefix_index import PrefixIndex
 
 
 class StubPool:
-    def __init__(self, roles: dict[str, tuple[str, int]]) -> None:
+    def __init__(self, roles: dict[str, tuple[str, int]], loads: dict | None = None) -> None:
         self.roles = roles  # url -> (role, number of ranks)
+        self._loads = loads or {}
 
     def ranks_with_role(self, roles):
         return [(url, r) for url, (role, count) in sorted(self.roles.items()) if role in roles for r in range(count)]
@@ -20,12 +21,13 @@ class StubPool:
         return self.roles[url][0]
 
     def loads(self):
-        return {}
+        return self._loads
 
 
-def dispatcher(pool, index=None, policy="prefix") -> Dispatcher:
+def dispatcher(pool, index=None, policy="prefix", local_prefill=LocalPrefillRule()) -> Dispatcher:
     return Dispatcher(pool, index or PrefixIndex(), make_policy(policy, 1.0, 0.5), RouterMetrics("tiny", policy),
-                      max_attempts=3, first_token_timeout_s=5, retry_after_s=1, make_detokenizer=None)
+                      max_attempts=3, first_token_timeout_s=5, retry_after_s=1, make_detokenizer=None,
+                      local_prefill=local_prefill)
 
 
 def test_disaggregated_route_sends_to_decode_rank_with_the_prefill_rank_as_source():
@@ -58,3 +60,17 @@ def test_retry_excludes_ranks_already_tried():
     second = chooser.choose([1], excluded={first.prefill})
     assert second.prefill != first.prefill
     assert chooser.choose([1], excluded={first.prefill, second.prefill}) is None
+
+
+def test_conditional_disaggregation_prefills_short_prompts_on_the_decode_rank_only_while_prefill_is_busy():
+    busy = {("http://p", 0): RankLoad(0, running=1, waiting=2, free_pages=10, total_pages=10, prefix_cache_pages=0)}
+    rule = LocalPrefillRule(max_tokens=16, min_prefill_queue=3)
+    chooser = dispatcher(StubPool({"http://p": ("prefill", 1), "http://d": ("decode", 1)}, busy), local_prefill=rule)
+    local = chooser.choose(list(range(16)), excluded=set())
+    assert local.prefill == local.target == ("http://d", 0) and local.plan == Plan(kind="both")
+    long_prompt = chooser.choose(list(range(17)), excluded=set())
+    assert long_prompt.target == ("http://d", 0) and long_prompt.plan.kind == "decode"
+    idle = dispatcher(StubPool({"http://p": ("prefill", 1), "http://d": ("decode", 1)}), local_prefill=rule)
+    assert idle.choose(list(range(16)), excluded=set()).plan.kind == "decode"
+    assert dispatcher(StubPool({"http://p": ("prefill", 1), "http://d": ("decode", 1)}, busy)).choose(
+        list(range(16)), excluded=set()).plan.kind == "decode"  # off by default

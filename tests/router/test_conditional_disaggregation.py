@@ -1,0 +1,56 @@
+"""Conditional disaggregation through a real router, prefill worker and decode worker: a prompt within
+`--local-prefill-max-tokens` is prefilled on the decode worker (the prefill worker never sees it), a longer one takes
+the P/D path, and both give the offline engine's greedy tokens."""
+
+import re
+
+import httpx
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.cluster.local import ClusterConfig, LocalCluster
+
+MAX_LOCAL_TOKENS = 32
+TIMEOUT_S = 60.0
+
+
+def counter(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=TIMEOUT_S).text
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_v2, ray_address, tmp_path_factory):
+    cfg = ClusterConfig(model=tiny_v2, port=0, num_prefill=1, num_decode=1, ray_address=ray_address,
+                        worker_args=("--dtype", "float32", "--num-pages", "128"),
+                        router_args=("--local-prefill-max-tokens", str(MAX_LOCAL_TOKENS), "--local-prefill-min-queue", "0"),
+                        log_dir=str(tmp_path_factory.mktemp("conditional-logs")))
+    with LocalCluster(cfg) as running:
+        yield running
+
+
+def test_short_prompts_prefill_on_the_decode_worker_and_long_ones_on_the_prefill_worker(cluster, tiny_v2):
+    prefill = next(w for w in cluster.workers if w.name.startswith("prefill"))
+    gen = torch.Generator().manual_seed(5)
+    short, long = (torch.randint(2, 400, (n,), generator=gen).tolist() for n in (MAX_LOCAL_TOKENS, MAX_LOCAL_TOKENS + 1))
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = [r.token_ids for r in LLM(tiny_v2, progress=False, dtype="float32").generate(
+        prompt_token_ids=[short, long], sampling=greedy)]
+    model = httpx.get(cluster.url + "/v1/models", timeout=TIMEOUT_S).json()["data"][0]["id"]
+
+    def complete(prompt: list[int]) -> list[int]:
+        body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}
+        response = httpx.post(cluster.url + "/v1/completions", json=body, timeout=TIMEOUT_S)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["token_ids"]
+
+    prefill_prompt_tokens = counter(prefill.url, "pdserve_prompt_tokens_total")
+    assert complete(short) == expected[0]
+    assert counter(cluster.url, "pdserve_router_local_prefills_total") == 1
+    assert counter(prefill.url, "pdserve_prompt_tokens_total") == prefill_prompt_tokens
+
+    assert complete(long) == expected[1]
+    assert counter(cluster.url, "pdserve_router_local_prefills_total") == 1
+    assert counter(prefill.url, "pdserve_prompt_tokens_total") == prefill_prompt_tokens + len(long)
