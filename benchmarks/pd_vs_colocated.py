@@ -1,8 +1,9 @@
 """Colocated against disaggregated on the same machine, model and seeded workload (issue 9's experiment).
 
-Starts each deployment as a local cluster (colocated: 2 `both` workers; disaggregated: 1 prefill + 1 decode), runs
-the workload at each request rate, and writes the sweeps as JSON, a goodput-against-rate plot, latency CDFs at one
-rate both ran, and a comparison table at that rate.
+Starts each deployment as a local cluster (colocated: 2 `both` workers; disaggregated: 1 prefill + 1 decode;
+conditional: the same P/D workers with the router prefilling prompts of at most --local-prefill-max-tokens on the
+decode worker while the prefill rank is busy), runs the workload at each request rate, and writes the sweeps as
+JSON, a goodput-against-rate plot, latency CDFs at one rate all ran, and comparison tables at that rate.
 
     python benchmarks/pd_vs_colocated.py [--preset mixed-cpu] [--rates 1,2,4] [--num-requests 40] [--out-dir docs/bench]
 """
@@ -20,10 +21,8 @@ from pdserve.bench.sweep import SweepConfig, sweep_rates
 from pdserve.cli.generate import default_model_dir
 from pdserve.cluster.local import ClusterConfig, LocalCluster
 
-DEPLOYMENTS = {
-    "colocated": dict(num_prefill=0, num_decode=0, num_both=2),
-    "disaggregated": dict(num_prefill=1, num_decode=1, num_both=0),
-}
+PD = dict(num_prefill=1, num_decode=1, num_both=0)
+DEPLOYMENTS = {"colocated": dict(num_prefill=0, num_decode=0, num_both=2), "disaggregated": PD, "conditional": PD}
 
 
 def main() -> int:
@@ -37,6 +36,8 @@ def main() -> int:
     parser.add_argument("--slo-ttft-s", type=float, default=2.0)
     parser.add_argument("--slo-itl-p99-s", type=float, default=0.05)
     parser.add_argument("--worker-args", default="", help="extra `pdserve worker` flags, space-separated")
+    parser.add_argument("--local-prefill-max-tokens", type=int, default=256, help="the conditional deployment's threshold")
+    parser.add_argument("--local-prefill-min-queue", type=int, default=1)
     parser.add_argument("--out-dir", default="bench-out")
     args = parser.parse_args()
 
@@ -48,7 +49,9 @@ def main() -> int:
     model = args.model or str(default_model_dir())
     sweeps = {}
     for name, roles in DEPLOYMENTS.items():
-        cfg = ClusterConfig(model, port=0, worker_args=tuple(args.worker_args.split()), **roles)
+        router_args = ("--local-prefill-max-tokens", str(args.local_prefill_max_tokens), "--local-prefill-min-queue",
+                       str(args.local_prefill_min_queue)) if name == "conditional" else ()
+        cfg = ClusterConfig(model, port=0, worker_args=tuple(args.worker_args.split()), router_args=router_args, **roles)
         with LocalCluster(cfg) as cluster:
             # Warm-up with another seed, so first-call costs (allocations, lazy init) stay out of the figures.
             run_benchmark(cluster.url, replace(workload, seed=args.seed + 1000, num_requests=8, request_rate=None,
@@ -81,6 +84,8 @@ def main() -> int:
         print(f"{name}: highest rate meeting the SLO: {sweep['best_rate_meeting_slo']}")
     print(f"\nat {compare_rate:g} req/s:")
     print(compare_table(at_rate["colocated"], at_rate["disaggregated"], "colocated", "disaggregated"))
+    print()
+    print(compare_table(at_rate["disaggregated"], at_rate["conditional"], "disaggregated", "conditional"))
     return 0
 
 
