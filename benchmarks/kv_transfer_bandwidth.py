@@ -2,7 +2,10 @@
 same pages. Two page patterns: one consecutive run (one descriptor per layer) and every other page
 (one descriptor per page and layer).
 
-    python benchmarks/kv_transfer_bandwidth.py [--ucx-tls tcp,self] [--device cpu|cuda] [--no-progress-thread]
+    python benchmarks/kv_transfer_bandwidth.py [--ucx-tls tcp,self] [--device cpu|cuda] [--reader-device cuda:1]
+                                               [--no-progress-thread]
+
+With --reader-device another GPU, NIXL writes GPU to GPU and the torch copy is a peer copy between the same GPUs.
 """
 
 import argparse
@@ -60,13 +63,15 @@ def _seconds_per_call(call: Callable[[], None], min_repeats: int = 5, min_total_
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ucx-tls", help="UCX_TLS for both processes (default: UCX's own choice)")
-    parser.add_argument("--device", default="cpu", help="pool device: cpu (DRAM) or cuda (VRAM)")
+    parser.add_argument("--device", default="cpu", help="writer's pool device: cpu (DRAM) or cuda (VRAM)")
+    parser.add_argument("--reader-device", help="reader's pool device (default: --device)")
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--kv-dim", type=int, default=512)
     parser.add_argument("--max-mib", type=int, default=256)
     parser.add_argument("--no-progress-thread", action="store_true", help="agents without NIXL's progress thread")
     args = parser.parse_args()
+    reader_device = args.reader_device or args.device
     if args.ucx_tls:
         os.environ["UCX_TLS"] = args.ucx_tls  # set before any UCX context exists, inherited by the reader
 
@@ -81,18 +86,23 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     reader = ctx.Process(
-        target=_reader_main, args=(child_conn, f"bench-reader-{uuid.uuid4().hex[:8]}", shape, reader_pages, args.device, progress_thread),
+        target=_reader_main, args=(child_conn, f"bench-reader-{uuid.uuid4().hex[:8]}", shape, reader_pages, reader_device, progress_thread),
     )
     reader.start()
-    src_kv, local_dst_kv = shape.pool(writer_pages, args.device), shape.pool(reader_pages, args.device)
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    src_kv, local_dst_kv = shape.pool(writer_pages, args.device), shape.pool(reader_pages, reader_device)
+    cuda_devices = {d for d in (args.device, reader_device) if d.startswith("cuda")}
+
+    def sync() -> None:
+        for device in cuda_devices:
+            torch.cuda.synchronize(device)
+
     try:
         with KVTransferAgent(f"bench-writer-{uuid.uuid4().hex[:8]}", src_kv, progress_thread) as writer:
             if not conn.poll(60):
                 raise TimeoutError("reader process sent no metadata within 60 s")
             peer = writer.add_peer(conn.recv())
             print(f"pool: {shape.num_layers} layers x page {shape.page_size} x kv_dim {shape.kv_dim} bf16 "
-                  f"= {shape.page_bytes_all_layers // 1024} KiB per page (all layers); device {args.device}; "
+                  f"= {shape.page_bytes_all_layers // 1024} KiB per page (all layers); {args.device} -> {reader_device}; "
                   f"UCX_TLS={os.environ.get('UCX_TLS', '(default)')}; progress thread {progress_thread}")
             print(f"{'MiB':>5} {'pages':>6} | {'NIXL run':>9} {'NIXL scat':>9} {'descs':>6} | "
                   f"{'torch run':>9} {'torch scat':>10}   (GB/s)")
