@@ -10,7 +10,7 @@ import httpx
 import msgspec
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from router import openai_schema as schema
@@ -101,6 +101,11 @@ def build_router_app(config: RouterConfig, discovery: Discovery | None = None) -
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         return error_response(APIError(error.status_code, str(error.detail), code="not_found" if error.status_code == 404 else None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def on_client_left(request: Request, error: ClientDisconnect) -> Response:
+        # The client left (or pdserve/slow_clients.py cut it) while sending its body: nobody reads this answer.
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def on_unexpected_error(request: Request, error: Exception) -> JSONResponse:

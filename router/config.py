@@ -43,6 +43,10 @@ class RouterConfig:
     max_attempts: int = 3  # ranks tried for a request that has produced no token yet
     max_migrations: int = 2  # times a stream moves to another decode path after its worker failed mid-stream
     first_token_timeout_s: float = 600.0  # bound on waiting for a worker's first token
+    # Slow clients (pdserve/slow_clients.py): a request must arrive whole within this of its first byte, and a
+    # response the client stops taking is cut after this long.
+    request_read_timeout_s: float = 30.0
+    send_stall_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         checks = [
@@ -91,6 +95,10 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-prefill-min-queue", type=int, default=1,
                         help="...busy meaning at least this many requests running or waiting on it (0: always)")
     parser.add_argument("--api-keys-file", default="", help="file with one API key per line (default: no auth)")
+    parser.add_argument("--request-read-timeout-s", type=float, default=30.0,
+                        help="a request's head and body must arrive within this of its first byte, else 408")
+    parser.add_argument("--send-stall-timeout-s", type=float, default=60.0,
+                        help="a response the client stops reading for this long is cut")
 
 
 def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -109,4 +117,6 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         local_prefill_min_queue=args.local_prefill_min_queue,
         api_keys=read_api_keys(args.api_keys_file) if args.api_keys_file else frozenset(),
+        request_read_timeout_s=args.request_read_timeout_s,
+        send_stall_timeout_s=args.send_stall_timeout_s,
     )

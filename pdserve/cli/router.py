@@ -14,10 +14,12 @@ def add_router_parser(subparsers: argparse._SubParsersAction) -> None:
 def main_router(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from pdserve.slow_clients import SlowClientLimits, bounded_h11
     from router.app import build_router_app
     from router.config import router_config_from_args
 
     config = router_config_from_args(args)
     print(f"pdserve router: serving {config.model_name} on http://{config.host}:{config.port}", flush=True)
-    uvicorn.run(build_router_app(config), host=config.host, port=config.port, log_level="warning")
+    limits = SlowClientLimits(config.request_read_timeout_s, config.send_stall_timeout_s)
+    uvicorn.run(build_router_app(config), host=config.host, port=config.port, log_level="warning", http=bounded_h11(limits))
     return 0

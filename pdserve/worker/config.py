@@ -22,6 +22,7 @@ class WorkerConfig:
     prefill_timeout_s: float = 120.0
     drain_timeout_s: float = 30.0
     gpus_per_rank: float = 1.0  # below 1, workers share a GPU (small models, single-GPU benchmarks)
+    request_read_timeout_s: float = 30.0  # a request must arrive whole within this of its first byte (slow clients)
 
     @property
     def url(self) -> str:
@@ -54,6 +55,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout-s", type=float, default=30.0, help="grace period for in-flight requests on SIGTERM")
     parser.add_argument("--gpus-per-rank", type=float, default=1.0,
                         help="GPU share Ray reserves per rank; below 1 several workers share a GPU (set --num-pages then)")
+    parser.add_argument("--request-read-timeout-s", type=float, default=30.0,
+                        help="a request's head and body must arrive within this of its first byte, else 408")
     parser.add_argument("--load-format", choices=("safetensors", "random"), default="safetensors",
                         help="random: the config's shape with random weights (benchmarks; no checkpoint needed)")
     parser.add_argument("--seed", type=int, default=0, help="seed of random weights and of unseeded sampling")
@@ -72,4 +75,5 @@ def worker_config_from_args(args: argparse.Namespace, model_dir: str) -> WorkerC
         advertise_url=args.advertise_url, ray_address=args.ray_address, served_model_name=args.served_model_name,
         transfer_timeout_s=args.transfer_timeout_s, prefill_timeout_s=args.prefill_timeout_s,
         drain_timeout_s=args.drain_timeout_s, gpus_per_rank=args.gpus_per_rank,
+        request_read_timeout_s=args.request_read_timeout_s,
     )

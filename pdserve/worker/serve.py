@@ -8,6 +8,7 @@ import ray
 import uvicorn
 
 from pdserve.model.config import ModelConfig
+from pdserve.slow_clients import SlowClientLimits, bounded_h11
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.drain import SHUTDOWN_AFTER_DRAIN_S, DrainGate, DrainingServer
 from pdserve.worker.protocol import API_VERSION, WorkerInfo
@@ -51,8 +52,11 @@ def run_worker(cfg: WorkerConfig) -> None:
     gate = DrainGate()
     app = build_worker_app(cfg, rank_set, info, gate)
     print(f"pdserve worker: {cfg.role} serving on {cfg.url}", flush=True)
+    # No send-stall bound here: the router reads a stream only as fast as its client does, and cuts it (and so
+    # this stream) when that client stalls; a bound here would take a slow client for a failed worker.
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
-                            timeout_graceful_shutdown=SHUTDOWN_AFTER_DRAIN_S)
+                            timeout_graceful_shutdown=SHUTDOWN_AFTER_DRAIN_S,
+                            http=bounded_h11(SlowClientLimits(cfg.request_read_timeout_s)))
     DrainingServer(config, gate, cfg.drain_timeout_s).run()
     print("pdserve worker: drained, exiting", flush=True)
 
