@@ -67,7 +67,7 @@ def build_router_app(config: RouterConfig, discovery: Discovery | None = None) -
         worker_discovery = discovery if discovery is not None else make_discovery(config)
         index = PrefixIndex(pending_ttl_s=config.pending_assignment_ttl_s)
         pool = WorkerPool(worker_discovery, http, index, metrics, config.health_interval_s, config.health_timeout_s,
-                          config.eject_after_failures)
+                          config.eject_after_failures, config.eject_unresponsive_after_s)
         dispatcher = Dispatcher(pool, index, make_policy(config.routing, config.prefix_weight, config.load_weight),
                                 metrics, config.max_attempts, config.first_token_timeout_s, config.retry_after_s,
                                 tokenizer.detokenizer, config.max_migrations,

@@ -38,7 +38,8 @@ class RouterConfig:
     # Workers: how fast a dead one is ejected and a returning one re-admitted.
     health_interval_s: float = 1.0
     health_timeout_s: float = 1.0
-    eject_after_failures: int = 2
+    eject_after_failures: int = 2  # checks that fail outright (refused, error status) before ejection
+    eject_unresponsive_after_s: float = 10.0  # checks that time out: ejection after this long without an answer
     pending_assignment_ttl_s: float = 10.0  # router's own assignments count in the index this long
     max_attempts: int = 3  # ranks tried for a request that has produced no token yet
     max_migrations: int = 2  # times a stream moves to another decode path after its worker failed mid-stream
@@ -58,6 +59,7 @@ class RouterConfig:
             (self.max_attempts >= 1, "max_attempts must be >= 1"),
             (self.max_migrations >= 0, "max_migrations must be >= 0"),
             (self.eject_after_failures >= 1, "eject_after_failures must be >= 1"),
+            (self.eject_unresponsive_after_s >= 0, "eject_unresponsive_after_s must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -94,6 +96,9 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
                              "decode worker when the prefill rank is busy (0: off)")
     parser.add_argument("--local-prefill-min-queue", type=int, default=1,
                         help="...busy meaning at least this many requests running or waiting on it (0: always)")
+    parser.add_argument("--eject-unresponsive-after-s", type=float, default=10.0,
+                        help="eject a worker whose health checks time out only after this long (one that refuses "
+                             "connections goes after 2 failed checks)")
     parser.add_argument("--api-keys-file", default="", help="file with one API key per line (default: no auth)")
     parser.add_argument("--request-read-timeout-s", type=float, default=30.0,
                         help="a request's head and body must arrive within this of its first byte, else 408")
@@ -116,6 +121,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         load_weight=args.load_weight,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         local_prefill_min_queue=args.local_prefill_min_queue,
+        eject_unresponsive_after_s=args.eject_unresponsive_after_s,
         api_keys=read_api_keys(args.api_keys_file) if args.api_keys_file else frozenset(),
         request_read_timeout_s=args.request_read_timeout_s,
         send_stall_timeout_s=args.send_stall_timeout_s,

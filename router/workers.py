@@ -7,6 +7,7 @@ KV-event dump (subscribe with after=-1)."""
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 
 import httpx
@@ -31,6 +32,7 @@ class WorkerState:
     admitted: bool = False  # passed a health check since its last ejection
     suspect: bool = False  # a request just failed to reach it: no new work until its next good health check
     consecutive_failures: int = 0
+    failing_since_s: float = 0.0  # monotonic time of the first failure of the current streak
     rank_loads: dict[int, RankLoad] = field(default_factory=dict)
     assigned_since_poll: dict[int, int] = field(default_factory=dict)  # counted as waiting until the next poll
     kv_tasks: list[asyncio.Task] = field(default_factory=list)
@@ -51,6 +53,7 @@ class WorkerPool:
         health_interval_s: float,
         health_timeout_s: float,
         eject_after_failures: int,
+        eject_unresponsive_after_s: float,
     ) -> None:
         self._discovery = discovery
         self._http = http
@@ -59,6 +62,7 @@ class WorkerPool:
         self._health_interval_s = health_interval_s
         self._health_timeout_s = health_timeout_s
         self._eject_after_failures = eject_after_failures
+        self._eject_unresponsive_after_s = eject_unresponsive_after_s
         self.workers: dict[str, WorkerState] = {}
         self._supervisor: asyncio.Task | None = None
 
@@ -145,8 +149,11 @@ class WorkerPool:
             if worker.info is None:
                 worker.info = await worker.client.info()
             load_report = await worker.client.load()
-        except (WorkerUnavailable, ValueError) as error:  # ValueError: msgspec could not decode the answer
-            self._fail(worker, str(error))
+        except WorkerUnavailable as error:
+            self._fail(worker, str(error), error.timed_out)
+            return
+        except ValueError as error:  # msgspec could not decode the answer
+            self._fail(worker, str(error), timed_out=False)
             return
         worker.rank_loads = {load.rank: load for load in load_report.ranks}
         worker.assigned_since_poll = {}
@@ -157,9 +164,17 @@ class WorkerPool:
             logger.info("worker %s admitted (%s, %d ranks)", worker.url, worker.info.role, len(worker.info.ranks))
             self._start_kv_subscriptions(worker)
 
-    def _fail(self, worker: WorkerState, reason: str) -> None:
+    def _fail(self, worker: WorkerState, reason: str, timed_out: bool) -> None:
+        """A worker that refuses connections or answers wrongly is gone: ejected after `eject_after_failures` checks.
+        One that only answers too slowly (a saturated CPU, a long pause) is probably still serving its streams:
+        ejected once it has stayed unresponsive for `eject_unresponsive_after_s`, so load alone does not take every
+        worker out of the pool at once."""
+        now = time.monotonic()
         worker.consecutive_failures += 1
-        if worker.admitted and worker.consecutive_failures >= self._eject_after_failures:
+        if worker.consecutive_failures == 1:
+            worker.failing_since_s = now
+        waiting = timed_out and now - worker.failing_since_s < self._eject_unresponsive_after_s
+        if worker.admitted and worker.consecutive_failures >= self._eject_after_failures and not waiting:
             logger.warning("worker %s ejected: %s", worker.url, reason)
             worker.admitted = False
             worker.info = None  # a worker that returns may have restarted with other settings

@@ -1,8 +1,10 @@
 """Expert parallelism: routed experts sharded over a torch.distributed group, tokens sent to their experts' owners.
 
 Rank r holds experts [r * E/R, (r+1) * E/R). Each MoE layer does four all-to-alls: split sizes, token rows, expert
-ids (dispatch), then expert outputs back (combine). The origin rank applies the routing weights and sums each
-token's experts in ascending expert id, the order TorchMoE uses, so float32 results match one rank holding all.
+ids (dispatch), then expert outputs back (combine). The owner runs its received rows through the rank's own MoE
+backend (grouped GEMM on the GPU, TorchMoE on the CPU) as one-expert tokens of weight 1. The origin rank applies the
+routing weights and sums each token's experts in ascending expert id, the order TorchMoE uses, so float32 results
+match one rank holding all.
 Every rank must call forward the same number of times (an empty batch still joins each collective).
 """
 
@@ -11,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+
+from pdserve.ops.moe import MoEBackend, TorchMoE
 
 
 @dataclass
@@ -31,23 +34,14 @@ def expert_owner_range(rank: int, world_size: int, num_experts: int) -> tuple[in
     return rank * count, count
 
 
-def run_local_experts(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                      first_expert: int) -> torch.Tensor:
-    """Unweighted expert outputs, one row per (row of x, expert id) pair; every id must be local."""
-    out = torch.empty_like(x)
-    local_ids = expert_ids - first_expert
-    for expert in torch.unique(local_ids).tolist():
-        rows = torch.where(local_ids == expert)[0]
-        gate, up = F.linear(x[rows], w13[expert]).chunk(2, dim=-1)
-        out[rows] = F.linear(F.silu(gate) * up, w2[expert])
-    return out
-
-
 class ExpertParallelMoE:
-    """MoEBackend over `group`; `sync_timing` waits for the device around the exchange so its time is exact."""
+    """MoEBackend over `group`; `local` computes this rank's experts; `sync_timing` waits for the device around the
+    exchange so its time is exact."""
 
-    def __init__(self, group: dist.ProcessGroup | None, num_experts: int, sync_timing: bool = False):
+    def __init__(self, group: dist.ProcessGroup | None, num_experts: int, local: MoEBackend | None = None,
+                 sync_timing: bool = False):
         self.group = group
+        self.local = local or TorchMoE()
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.first_expert, self.experts_per_rank = expert_owner_range(self.rank, self.world_size, num_experts)
@@ -78,7 +72,10 @@ class ExpertParallelMoE:
         dist.all_to_all_single(recv_ids, send_ids, recv_split, send_split, group=self.group)
         dispatched = self._clock()
 
-        expert_out = run_local_experts(recv_x, recv_ids, w13, w2, self.first_expert)
+        # Each received row is a token with one expert of weight 1: the local backend returns its unweighted output.
+        ones = torch.ones(recv_ids.shape[0], 1, dtype=torch.float32, device=x.device)
+        expert_out = self.local.forward(recv_x, recv_ids[:, None], ones, w13, w2, self.first_expert) \
+            if recv_ids.numel() else recv_x  # nothing came (empty rows): grouped GEMM has no empty case
 
         combine_started = self._clock()
         back = x.new_empty(send_x.shape)

@@ -23,11 +23,13 @@ GENERATE_CONNECT_TIMEOUT_S = 5.0  # a busy worker may accept slowly; that is not
 
 class WorkerUnavailable(Exception):
     """The worker could not be reached or answered with an error before streaming anything. `refused` is True when
-    the worker certainly never took the request (no connection, or an error status): it will not act on it later."""
+    the worker certainly never took the request (no connection, or an error status): it will not act on it later.
+    `timed_out` is True when it did not answer in time: alive but slow, or hung; not known to be gone."""
 
-    def __init__(self, message: str, refused: bool = False):
+    def __init__(self, message: str, refused: bool = False, timed_out: bool = False):
         super().__init__(message)
         self.refused = refused
+        self.timed_out = timed_out
 
 
 async def _ndjson_lines(response: httpx.Response) -> AsyncIterator[bytes]:
@@ -53,7 +55,8 @@ class WorkerClient:
             response = await self._http.get(self.url + path, timeout=self._timeout_s)
             response.raise_for_status()
         except httpx.HTTPError as error:
-            raise WorkerUnavailable(f"{self.url}{path}: {error!r}") from error
+            raise WorkerUnavailable(f"{self.url}{path}: {error!r}",
+                                    timed_out=isinstance(error, httpx.TimeoutException)) from error
         return msgspec.json.decode(response.content, type=message_type)
 
     async def health(self) -> WorkerHealth:
@@ -62,7 +65,8 @@ class WorkerClient:
         try:
             response = await self._http.get(self.url + "/health", timeout=self._timeout_s)
         except httpx.HTTPError as error:
-            raise WorkerUnavailable(f"{self.url}/health: {error!r}") from error
+            raise WorkerUnavailable(f"{self.url}/health: {error!r}",
+                                    timed_out=isinstance(error, httpx.TimeoutException)) from error
         if response.status_code == 503:
             with contextlib.suppress(msgspec.DecodeError):
                 health = msgspec.json.decode(response.content, type=WorkerHealth)

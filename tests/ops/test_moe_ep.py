@@ -90,3 +90,27 @@ def test_expert_parallel_moe_equals_torch_moe_with_all_experts(tokens_per_rank):
         assert out.shape == (num_tokens, HIDDEN)
         assert torch.equal(out, expected[rank]), f"rank {rank} differs by {(out - expected[rank]).abs().max()}"
         assert repeatable and calls == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_one_rank_nccl_exchange_with_grouped_local_experts_equals_grouped_moe():
+    """The GPU path of the exchange (NCCL, bf16, the grouped-GEMM backend for the owner's rows) on one rank: the
+    collectives move every row to itself, so the result must equal GroupedMoE holding every expert."""
+    from pdserve.ops.moe_grouped import GroupedMoE
+
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        gen = torch.Generator().manual_seed(3)
+        num_experts, hidden, inter, top_k, tokens = 16, 256, 128, 4, 64
+        w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).cuda().bfloat16()
+        w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5).cuda().bfloat16()
+        x = torch.randn(tokens, hidden, generator=gen).cuda().bfloat16()
+        ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(tokens)]).cuda()
+        weights = torch.rand(tokens, top_k, generator=gen).cuda()
+        expected = GroupedMoE().forward(x, ids, weights, w13, w2, 0).float()
+        got = ExpertParallelMoE(None, num_experts, GroupedMoE()).forward(x, ids, weights, w13, w2, 0).float()
+        assert not torch.isnan(got).any()
+        assert ((got - expected).norm() / expected.norm()).item() < 1e-2
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,138 @@
+"""Expert-parallel decode: step time per rank for EP1 (one rank, every expert, no exchange) against EP R (R ranks,
+each holding 1/R of the routed experts, tokens exchanged over NCCL at every MoE layer), with the exchange's share.
+
+Every rank decodes its own batch (DP attention) at the given context; one eager decode step (EP exchanges
+variable-sized batches, so it is not captured in a CUDA graph), timed over iterations after a warm-up. The exchange
+time is measured with device syncs around the collectives (`ExpertParallelMoE(sync_timing=True)`), which the step
+time then includes too.
+
+    python benchmarks/gpu_expert_parallel.py --ranks 1,2,4 --batches 64,256     # V2-Lite shape, 1..4 GPUs
+    python benchmarks/gpu_expert_parallel.py --device cpu --dtype float32 --layers 2 --ranks 1,2 --batches 2 \
+        --context 32 --iters 2                                                  # smoke run (gloo)
+"""
+
+import argparse
+import json
+import socket
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from gpu_decode_prefill import DEFAULT_CONFIG, contiguous_batch, step_inputs
+from pdserve.model.config import ModelConfig
+from pdserve.model.deepseek import ExpertRange
+from pdserve.model.loader import build_model
+from pdserve.model.random_init import init_random_weights
+from pdserve.ops.moe_ep import ExpertParallelMoE
+from pdserve.ops.select import select_backends
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, results) -> None:
+    on_cuda = args.device == "cuda"
+    device = torch.device(f"cuda:{rank}" if on_cuda else "cpu")
+    if on_cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)
+    dtype = getattr(torch, args.dtype)
+    dist.init_process_group("nccl" if on_cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, device_id=device if on_cuda else None)
+    try:
+        raw = json.loads(Path(args.config).read_text())
+        if args.layers:
+            raw["num_hidden_layers"] = args.layers
+        cfg = ModelConfig.from_dict(raw)
+        backends = select_backends(args.attention, args.moe, device, dtype)
+        experts, moe = None, None
+        if world_size > 1:
+            moe = ExpertParallelMoE(None, cfg.n_routed_experts, backends.moe, sync_timing=True)
+            experts = ExpertRange(moe.first_expert, moe.experts_per_rank)
+            backends = replace(backends, moe=moe)
+        model = init_random_weights(build_model(cfg, backends, device, dtype, experts), seed=rank)
+        for batch_size in args.batches:
+            kv_lens, query_lens = [args.context] * batch_size, [1] * batch_size
+            num_pages = sum(-(-n // args.page_size) for n in kv_lens)
+            kv_cache = torch.randn(cfg.num_hidden_layers, num_pages, args.page_size, cfg.kv_dim, device=device,
+                                   dtype=dtype)
+            ids, positions, last_rows = step_inputs(query_lens, kv_lens, cfg.vocab_size, device, seed=rank)
+
+            def step() -> None:
+                batch = contiguous_batch(query_lens, kv_lens, args.page_size, device)
+                model.compute_logits(model(ids, positions, kv_cache, batch)[last_rows])
+                if on_cuda:
+                    torch.cuda.synchronize()
+
+            with torch.inference_mode():
+                for _ in range(2):
+                    step()
+                dist.barrier()
+                exchange_before = moe.exchange.seconds if moe else 0.0
+                started = time.perf_counter()
+                for _ in range(args.iters):
+                    step()
+                step_s = (time.perf_counter() - started) / args.iters
+                exchange_s = ((moe.exchange.seconds if moe else 0.0) - exchange_before) / args.iters
+            results.put(dict(ranks=world_size, rank=rank, batch=batch_size, step_ms=step_s * 1e3,
+                             exchange_ms=exchange_s * 1e3, expert_gib=model.routed_expert_bytes() / 2**30))
+            del kv_cache
+            if on_cuda:
+                torch.cuda.empty_cache()
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG))
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--attention", default="auto")
+    parser.add_argument("--moe", default="auto")
+    parser.add_argument("--layers", type=int, help="override num_hidden_layers (smoke runs)")
+    parser.add_argument("--ranks", default="1,2,4", help="instance sizes to compare; each needs that many GPUs")
+    parser.add_argument("--batches", default="64,256", help="decode batch per rank")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",")]
+    available = torch.cuda.device_count() if args.device == "cuda" else 64
+    sizes = [r for r in (int(r) for r in args.ranks.split(",")) if r <= available]
+
+    ctx = mp.get_context("spawn")
+    rows = []
+    for world_size in sizes:
+        print(f"EP{world_size}: starting {world_size} rank(s) ...", flush=True)
+        results = ctx.Queue()
+        mp.start_processes(_rank_main, args=(world_size, free_port(), args, results), nprocs=world_size,
+                           start_method="spawn", join=True)
+        per_rank = [results.get(timeout=60) for _ in range(world_size * len(args.batches))]
+        for batch in args.batches:
+            ranks = [r for r in per_rank if r["batch"] == batch]
+            rows.append(dict(ranks=world_size, batch=batch, step_ms=max(r["step_ms"] for r in ranks),
+                             exchange_ms=max(r["exchange_ms"] for r in ranks), expert_gib=ranks[0]["expert_gib"]))
+    skipped = sorted(set(int(r) for r in args.ranks.split(",")) - set(sizes))
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"\n{device_name}; context {args.context}; {args.dtype}; step = slowest rank's eager decode step"
+          + (f"; skipped (not enough devices): {skipped}" if skipped else ""))
+    print("| ranks | batch per rank | step (ms) | exchange (ms) | exchange share | tokens/s (all ranks) "
+          "| expert weights per rank (GiB) |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        tokens_per_s = row["ranks"] * row["batch"] / (row["step_ms"] / 1e3)
+        print(f"| {row['ranks']} | {row['batch']} | {row['step_ms']:.2f} | {row['exchange_ms']:.2f} | "
+              f"{row['exchange_ms'] / row['step_ms']:.0%} | {tokens_per_s:,.0f} | {row['expert_gib']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

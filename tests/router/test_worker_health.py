@@ -1,0 +1,55 @@
+"""Ejection against a real worker that stops answering (SIGSTOP: alive, unresponsive) rather than dying: its health
+checks time out, so the router keeps it for `--eject-unresponsive-after-s` before ejecting it, and re-admits it when
+it answers again."""
+
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+from pdserve.cluster.local import ClusterConfig, LocalCluster
+
+UNRESPONSIVE_AFTER_S = 6.0
+TIMEOUT_S = 30.0
+
+
+def ejections(router_url: str) -> float:
+    text = httpx.get(router_url + "/metrics", timeout=TIMEOUT_S).text
+    return sum(float(v) for v in re.findall(r"^pdserve_router_worker_ejections_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+def wait_for(check, timeout_s: float) -> float | None:
+    """Seconds until `check()` held, or None when it did not within `timeout_s`."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if check():
+            return time.monotonic() - started
+        time.sleep(0.2)
+    return None
+
+
+@pytest.mark.timeout(180)
+def test_an_unresponsive_worker_is_ejected_only_after_the_grace_period_and_readmitted(tiny_v2, ray_address, tmp_path):
+    cfg = ClusterConfig(model=tiny_v2, port=0, num_prefill=0, num_decode=0, num_both=1, ray_address=ray_address,
+                        worker_args=("--dtype", "float32", "--num-pages", "64"),
+                        router_args=("--eject-unresponsive-after-s", str(UNRESPONSIVE_AFTER_S)), log_dir=str(tmp_path))
+    with LocalCluster(cfg) as cluster:
+        worker = cluster.workers[0]
+        os.killpg(worker.process.pid, signal.SIGSTOP)
+        try:
+            # Two failed checks (about 2-3 s) would eject a worker that refuses connections; this one only times out.
+            assert wait_for(lambda: ejections(cluster.url) >= 1, UNRESPONSIVE_AFTER_S - 1.5) is None
+            assert wait_for(lambda: ejections(cluster.url) >= 1, 10.0) is not None
+        finally:
+            os.killpg(worker.process.pid, signal.SIGCONT)
+        model = httpx.get(cluster.url + "/v1/models", timeout=TIMEOUT_S).json()["data"][0]["id"]
+
+        def serves() -> bool:
+            response = httpx.post(cluster.url + "/v1/completions", timeout=TIMEOUT_S,
+                                  json={"model": model, "prompt": "hello", "max_tokens": 2})
+            return response.status_code == 200
+
+        assert wait_for(serves, 15.0) is not None
