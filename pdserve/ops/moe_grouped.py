@@ -24,10 +24,18 @@ class GroupedMoE:
         gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=group_ends)
         gate, up = gate_up.chunk(2, dim=-1)
         down = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=group_ends)
-        # Rows past the last group end are never written by the kernel: zero them rather than trust their contents.
-        weights = torch.where(is_local, topk_weights.reshape(-1), 0.0)[order]
-        contribution = torch.where(weights[:, None] != 0, down.float() * weights[:, None], 0.0)
-        # Unsort, then sum each token's k slots: deterministic, unlike an atomic scatter-add.
-        per_slot = torch.empty_like(contribution)
-        per_slot[order] = contribution
-        return per_slot.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+        # Rows past the last group end (foreign slots) are never written by the kernel and may hold anything, NaN
+        # included: zero them, so their zero weight cannot meet a NaN.
+        down = down.masked_fill(~is_local[order, None], 0.0)
+        # Unsort with a gather (the inverse permutation), then one batched [1 x k] @ [k x hidden] per token: the
+        # weighted sum of its k slots in one pass, accumulated in float32 by the GEMM, deterministic, and without the
+        # float32 [tokens * k, hidden] temporaries a scale-then-sum makes (a third of a 4k prefill's MoE time).
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        per_slot = down[inverse].view(num_tokens, top_k, -1)
+        # The float32 weights as a sum of two bf16 parts, so rounding them costs nothing measurable (one part alone
+        # raised the V2-Lite logits error from 4.8e-2 to 5.6e-2).
+        weights = topk_weights[:, None, :]
+        high = weights.to(down.dtype)
+        low = (weights - high.float()).to(down.dtype)
+        return torch.bmm(high, per_slot).baddbmm_(low, per_slot)[:, 0]
