@@ -13,7 +13,6 @@ time then includes too.
 
 import argparse
 import json
-import socket
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -23,18 +22,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gpu_decode_prefill import DEFAULT_CONFIG, contiguous_batch, step_inputs
+from pdserve.cluster.local import free_port
 from pdserve.model.config import ModelConfig
 from pdserve.model.deepseek import ExpertRange
 from pdserve.model.loader import build_model
 from pdserve.model.random_init import init_random_weights
 from pdserve.ops.moe_ep import ExpertParallelMoE
 from pdserve.ops.select import select_backends
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, results) -> None:

@@ -1,12 +1,10 @@
 """Expert-parallel engines in lockstep (gloo, 2 and 4 processes) generate exactly what one engine with every expert does."""
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from pdserve.cluster.local import free_port
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.llm import LLM
@@ -16,13 +14,9 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.deepseek import ExpertRange
 from pdserve.ops.moe_ep import ExpertParallelMoE, expert_owner_range
 
+from spawned_ranks import run_spawned_ranks
+
 SAMPLING = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def prompts_for(world_size: int) -> list[list[list[int]]]:
@@ -59,24 +53,9 @@ def _rank_main(rank: int, world_size: int, port: int, model: str, prompts: list[
 
 
 def run_instance(model: str, per_rank: list[list[list[int]]]) -> dict:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, len(per_rank), port, model, prompts, results))
-             for r, prompts in enumerate(per_rank)]
-    for proc in procs:
-        proc.start()
-    try:
-        got = {}
-        for _ in procs:
-            rank, *rest = results.get(timeout=90)
-            got[rank] = rest
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-    return got
+    return run_spawned_ranks(_rank_main, [(r, len(per_rank), port, model, prompts)
+                                          for r, prompts in enumerate(per_rank)], 90)
 
 
 @pytest.mark.timeout(180)

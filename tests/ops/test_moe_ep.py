@@ -1,22 +1,16 @@
 """The expert-parallel MoE over gloo (2 and 4 processes) against TorchMoE holding every expert."""
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from pdserve.cluster.local import free_port
 from pdserve.ops.moe import TorchMoE
 from pdserve.ops.moe_ep import ExpertParallelMoE, expert_owner_range
 
+from spawned_ranks import run_spawned_ranks
+
 NUM_EXPERTS, HIDDEN, INTER, TOP_K = 8, 32, 16, 3
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def random_problem(tokens_per_rank: list[int]):
@@ -50,25 +44,8 @@ def _rank_main(rank: int, world_size: int, port: int, tokens_per_rank: list[int]
 
 
 def run_ranks(tokens_per_rank: list[int]) -> dict:
-    world_size = len(tokens_per_rank)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, tokens_per_rank, results))
-             for r in range(world_size)]
-    for proc in procs:
-        proc.start()
-    try:
-        got = {}
-        for _ in range(world_size):
-            rank, out, repeatable, calls = results.get(timeout=60)
-            got[rank] = (out, repeatable, calls)
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-    return got
+    world_size, port = len(tokens_per_rank), free_port()
+    return run_spawned_ranks(_rank_main, [(r, world_size, port, tokens_per_rank) for r in range(world_size)], 60)
 
 
 @pytest.mark.timeout(120)

@@ -76,10 +76,3 @@ def running(worker_url: str) -> int:
     return sum(r["running"] + r["waiting"] for r in worker_load(worker_url))
 
 
-def eventually(check, timeout_s: float = 30.0, interval_s: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(interval_s)
-    return check()

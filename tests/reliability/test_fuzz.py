@@ -10,7 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stream_calls import eventually, model_of, pages_at_rest, stream_completion
+from probes import eventually
+from stream_calls import model_of, pages_at_rest, stream_completion
 
 READ_TIMEOUT_S = 3.0  # a valid request may generate for long; its status is all we read
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
@@ -61,24 +62,15 @@ def model(pd_cluster) -> str:
     return model_of(pd_cluster.url)
 
 
-def test_schema_shaped_random_completions_never_get_a_5xx(pd_cluster, model):
-    fields = list(schema_fields(pd_cluster, "CompletionRequest"))
+@pytest.mark.parametrize(("schema", "path"), [("CompletionRequest", "/v1/completions"),
+                                              ("ChatCompletionRequest", "/v1/chat/completions")])
+def test_schema_shaped_random_requests_never_get_a_5xx(pd_cluster, model, schema, path):
+    fields = list(schema_fields(pd_cluster, schema))
 
     @FUZZ
     @given(request_bodies(fields, model))
     def check(body):
-        assert status_of(pd_cluster.url + "/v1/completions", json.dumps(body).encode()) < 500, body
-
-    check()
-
-
-def test_schema_shaped_random_chat_completions_never_get_a_5xx(pd_cluster, model):
-    fields = list(schema_fields(pd_cluster, "ChatCompletionRequest"))
-
-    @FUZZ
-    @given(request_bodies(fields, model))
-    def check(body):
-        assert status_of(pd_cluster.url + "/v1/chat/completions", json.dumps(body).encode()) < 500, body
+        assert status_of(pd_cluster.url + path, json.dumps(body).encode()) < 500, body
 
     check()
 

@@ -10,7 +10,8 @@ import pytest
 
 from pdserve.cluster.local import ClusterConfig, LocalCluster
 
-from stream_calls import TIMEOUT_S, eventually, model_of, running, stream_completion
+from probes import eventually
+from stream_calls import TIMEOUT_S, model_of, running, stream_completion
 
 DRAIN_TIMEOUT_S = 40
 LONG_TOKENS = 400

@@ -19,6 +19,7 @@ from pdserve.worker.client import WorkerClient
 from pdserve.worker.protocol import GenerateRequest, TokenEvent
 
 from load import rank_actor_pids_of
+from probes import health_status, wait_for
 
 START_TIMEOUT_S = 120.0
 REQUEST_TIMEOUT_S = 60.0
@@ -26,22 +27,6 @@ PROMPT = [5, 17, 42, 9, 100, 3]
 SHORT = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def health_status(url: str) -> int | None:
-    try:
-        return httpx.get(url + "/health", timeout=2.0).status_code
-    except httpx.HTTPError:
-        return None
-
-
-def wait_for(check, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if result := check():
-            return result
-        time.sleep(0.1)
-    raise TimeoutError(f"{what} within {timeout_s} s")
 
 
 async def generate(url: str, rank: int, sampling: SamplingParams, request_id: str) -> list[TokenEvent]:

@@ -15,7 +15,8 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from stream_calls import eventually, model_of, pages_at_rest, running
+from probes import eventually
+from stream_calls import model_of, pages_at_rest, running
 
 SLACK_S = 5.0  # on top of a bound: a 2-core box shared with other jobs
 TRICKLE_INTERVAL_S = 0.5

@@ -11,7 +11,8 @@ import time
 import pytest
 
 from load import LoadReport, rank_actor_pids, rss_bytes, run_load
-from stream_calls import eventually, model_of, pages_at_rest
+from probes import eventually
+from stream_calls import model_of, pages_at_rest
 
 REQUEST_TIMEOUT_S = 120.0
 MIB = 1024 * 1024

@@ -4,12 +4,12 @@ text-identical to an undisturbed run. With no decode worker left, the stream end
 
 import threading
 
-import httpx
 import pytest
 
 from pdserve.cluster.local import ClusterConfig, LocalCluster
 
-from stream_calls import TIMEOUT_S, eventually, model_of, pages_at_rest, running, stream_completion
+from probes import eventually, metric_total
+from stream_calls import TIMEOUT_S, model_of, pages_at_rest, running, stream_completion
 
 MAX_TOKENS = 1500
 PROMPT = "a long story about a quick brown fox"
@@ -42,9 +42,7 @@ def serving_decode_worker(cluster):
 
 
 def migrations_counted(cluster) -> float:
-    metrics = httpx.get(cluster.url + "/metrics", timeout=10).text
-    lines = [line for line in metrics.splitlines() if line.startswith("pdserve_router_migrations_total")]
-    return float(lines[0].split()[-1]) if lines else 0.0
+    return metric_total(cluster.url, "pdserve_router_migrations_total")
 
 
 def test_killing_the_decode_worker_mid_stream_continues_the_stream_token_identically(cluster):

@@ -2,8 +2,6 @@
 `--local-prefill-max-tokens` is prefilled on the decode worker (the prefill worker never sees it), a longer one takes
 the P/D path, and both give the offline engine's greedy tokens."""
 
-import re
-
 import httpx
 import pytest
 import torch
@@ -11,13 +9,10 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.local import ClusterConfig, LocalCluster
 
+from probes import metric_total
+
 MAX_LOCAL_TOKENS = 32
 TIMEOUT_S = 60.0
-
-
-def counter(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=TIMEOUT_S).text
-    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +41,11 @@ def test_short_prompts_prefill_on_the_decode_worker_and_long_ones_on_the_prefill
         assert response.status_code == 200, response.text
         return response.json()["choices"][0]["token_ids"]
 
-    prefill_prompt_tokens = counter(prefill.url, "pdserve_prompt_tokens_total")
+    prefill_prompt_tokens = metric_total(prefill.url, "pdserve_prompt_tokens_total")
     assert complete(short) == expected[0]
-    assert counter(cluster.url, "pdserve_router_local_prefills_total") == 1
-    assert counter(prefill.url, "pdserve_prompt_tokens_total") == prefill_prompt_tokens
+    assert metric_total(cluster.url, "pdserve_router_local_prefills_total") == 1
+    assert metric_total(prefill.url, "pdserve_prompt_tokens_total") == prefill_prompt_tokens
 
     assert complete(long) == expected[1]
-    assert counter(cluster.url, "pdserve_router_local_prefills_total") == 1
-    assert counter(prefill.url, "pdserve_prompt_tokens_total") == prefill_prompt_tokens + len(long)
+    assert metric_total(cluster.url, "pdserve_router_local_prefills_total") == 1
+    assert metric_total(prefill.url, "pdserve_prompt_tokens_total") == prefill_prompt_tokens + len(long)

@@ -3,7 +3,6 @@
 import concurrent.futures
 import time
 
-import httpx
 import openai
 import pytest
 import torch
@@ -11,6 +10,7 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.local import ClusterConfig, LocalCluster
 
+from probes import eventually, metric_total
 
 
 def sdk_for(cluster) -> tuple[openai.OpenAI, str]:
@@ -91,22 +91,13 @@ def test_killing_a_worker_mid_run_loses_no_request_and_is_reported(tiny_v2, ray_
         assert all(o == "ok" or o.startswith("error") for o in outcomes)
         after = [one(100 + i) for i in range(4)]
         assert after == ["ok"] * 4  # new requests go to the survivor only
-        def ejections() -> float:
-            metrics = httpx.get(cluster.url + "/metrics", timeout=10).text
-            lines = [line for line in metrics.splitlines() if line.startswith("pdserve_router_worker_ejections_total")]
-            return float(lines[0].split()[-1]) if lines else 0.0
-
-        deadline = time.monotonic() + 15  # health checks eject a dead worker within seconds
-        while ejections() < 1 and time.monotonic() < deadline:
-            time.sleep(0.25)
-        assert ejections() >= 1
+        # Health checks eject a dead worker within seconds.
+        assert eventually(lambda: metric_total(cluster.url, "pdserve_router_worker_ejections_total") >= 1, 15,
+                          interval_s=0.25)
 
 
 def routed_match_sum(cluster) -> float:
-    text = httpx.get(cluster.url + "/metrics", timeout=10).text
-    sums = [float(line.split()[-1]) for line in text.splitlines()
-            if line.startswith("pdserve_routed_prefix_match_ratio_sum")]
-    return sum(sums)
+    return metric_total(cluster.url, "pdserve_routed_prefix_match_ratio_sum")
 
 
 def test_restarted_router_rebuilds_its_prefix_index_from_the_workers(pd_cluster, client, MODEL):

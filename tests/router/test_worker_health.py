@@ -3,32 +3,21 @@ checks time out, so the router keeps it for `--eject-unresponsive-after-s` befor
 it answers again."""
 
 import os
-import re
 import signal
-import time
 
 import httpx
 import pytest
 
 from pdserve.cluster.local import ClusterConfig, LocalCluster
 
+from probes import eventually, metric_total
+
 UNRESPONSIVE_AFTER_S = 6.0
 TIMEOUT_S = 30.0
 
 
 def ejections(router_url: str) -> float:
-    text = httpx.get(router_url + "/metrics", timeout=TIMEOUT_S).text
-    return sum(float(v) for v in re.findall(r"^pdserve_router_worker_ejections_total\{[^}]*\} (\S+)$", text, re.M))
-
-
-def wait_for(check, timeout_s: float) -> float | None:
-    """Seconds until `check()` held, or None when it did not within `timeout_s`."""
-    started = time.monotonic()
-    while time.monotonic() - started < timeout_s:
-        if check():
-            return time.monotonic() - started
-        time.sleep(0.2)
-    return None
+    return metric_total(router_url, "pdserve_router_worker_ejections_total")
 
 
 @pytest.mark.timeout(180)
@@ -41,8 +30,8 @@ def test_an_unresponsive_worker_is_ejected_only_after_the_grace_period_and_readm
         os.killpg(worker.process.pid, signal.SIGSTOP)
         try:
             # Two failed checks (about 2-3 s) would eject a worker that refuses connections; this one only times out.
-            assert wait_for(lambda: ejections(cluster.url) >= 1, UNRESPONSIVE_AFTER_S - 1.5) is None
-            assert wait_for(lambda: ejections(cluster.url) >= 1, 10.0) is not None
+            assert not eventually(lambda: ejections(cluster.url) >= 1, UNRESPONSIVE_AFTER_S - 1.5, interval_s=0.2)
+            assert eventually(lambda: ejections(cluster.url) >= 1, 10.0, interval_s=0.2)
         finally:
             os.killpg(worker.process.pid, signal.SIGCONT)
         model = httpx.get(cluster.url + "/v1/models", timeout=TIMEOUT_S).json()["data"][0]["id"]
@@ -52,4 +41,4 @@ def test_an_unresponsive_worker_is_ejected_only_after_the_grace_period_and_readm
                                   json={"model": model, "prompt": "hello", "max_tokens": 2})
             return response.status_code == 200
 
-        assert wait_for(serves, 15.0) is not None
+        assert eventually(serves, 15.0, interval_s=0.2)

@@ -4,31 +4,26 @@ killed rank makes the worker unhealthy, the instance restarts, nothing hangs, an
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
+from pdserve.cluster.local import free_port
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.worker.client import WorkerClient
 from pdserve.worker.protocol import GenerateRequest, TokenEvent
 
+from probes import health_status, wait_for
+
 SAMPLING = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 PROMPTS = {0: [[5, 17, 42, 9, 100, 3], [77, 8, 8, 61]], 1: [[12, 13, 14, 15, 16, 17, 18, 19, 20]]}
 START_TIMEOUT_S = 180.0
 REQUEST_TIMEOUT_S = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def descendants(pid: int) -> list[int]:
@@ -60,20 +55,6 @@ def rank_actor_pids(worker_pid: int) -> list[int]:
     return pids
 
 
-def wait_for(check, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if result := check():
-            return result
-        time.sleep(0.25)
-    raise TimeoutError(f"{what} within {timeout_s} s")
-
-
-def health_status(url: str) -> int | None:
-    try:
-        return httpx.get(url + "/health", timeout=2.0).status_code
-    except httpx.HTTPError:
-        return None
 
 
 async def generate(url: str, rank: int, prompt: list[int], request_id: str,

@@ -1,0 +1,41 @@
+"""Bounded waits on live processes, shared by the tests of every folder (tests/ is on sys.path via its conftest)."""
+
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def eventually(check, timeout_s: float = 30.0, interval_s: float = 0.1) -> bool:
+    """Whether `check()` held within `timeout_s` (checked once more at the deadline)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(interval_s)
+    return check()
+
+
+def wait_for(check, timeout_s: float, what: str, interval_s: float = 0.1):
+    """`check()`'s first truthy result; TimeoutError naming `what` when none came within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if result := check():
+            return result
+        time.sleep(interval_s)
+    raise TimeoutError(f"{what} within {timeout_s} s")
+
+
+def health_status(url: str) -> int | None:
+    """The HTTP status of `url`/health, or None when nothing answered."""
+    try:
+        return httpx.get(url + "/health", timeout=2.0).status_code
+    except httpx.HTTPError:
+        return None
+
+
+def metric_total(url: str, name: str) -> float:
+    """The sum of every labelled sample named `name` (e.g. `..._total`, `..._sum`) on `url`/metrics; 0 when absent."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name)
