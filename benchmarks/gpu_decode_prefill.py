@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from pdserve.engine.cuda_graphs import DecodeGraphConfig, DecodeGraphs
 from pdserve.model.config import ModelConfig
-from pdserve.model.deepseek import Backends, DeepseekForCausalLM
+from pdserve.model.deepseek import Backends, DeepseekForCausalLM, uses_expanded_attention
 from pdserve.model.loader import build_model
 from pdserve.model.random_init import init_random_weights
 from pdserve.ops.attention import AttentionBatch, TorchAttention
@@ -111,8 +111,10 @@ def decode_bytes_read(model: DeepseekForCausalLM, distinct_experts: list[int], b
     return total
 
 
-def prefill_flop(model: DeepseekForCausalLM, num_tokens: int) -> float:
-    """Matmul FLOPs of one prefill from an empty cache, absorbed MLA as executed (scores over 576, values over 512)."""
+def prefill_flop(model: DeepseekForCausalLM, num_tokens: int, attention_width: int) -> float:
+    """Matmul FLOPs of one prefill from an empty cache; attention does `attention_width` multiply-adds per head per
+    (query, key) pair: qk_head_dim + v_head_dim (192 + 128) for the model's own multi-head attention, the usual
+    count, or 2 * kv_lora_rank + rope_dim (576 + 512) for the weight-absorbed form."""
     cfg = model.cfg
     per_token = 0
     for layer in model.model.layers:
@@ -123,7 +125,7 @@ def prefill_flop(model: DeepseekForCausalLM, num_tokens: int) -> float:
             per_token += cfg.num_experts_per_tok * (layer.mlp.experts.w13[0].numel() + layer.mlp.experts.w2[0].numel())
             per_token += layer.mlp.gate.weight.numel()
     pairs = num_tokens * (num_tokens + 1) / 2
-    attention = 2 * cfg.num_attention_heads * (cfg.kv_dim + cfg.kv_lora_rank) * pairs * cfg.num_hidden_layers
+    attention = 2 * cfg.num_attention_heads * attention_width * pairs * cfg.num_hidden_layers
     return 2 * per_token * num_tokens + attention + 2 * model.lm_head.weight.numel()
 
 
@@ -133,10 +135,11 @@ def float32_reference_logits(model, ids, positions, batch, last_rows) -> torch.T
     cfg = model.cfg
     backends = Backends(attention=TorchAttention(), moe=TorchMoE())
     kv = torch.zeros(batch.page_table.max().item() + 1, batch.page_size, cfg.kv_dim, device=ids.device)
-    cos, sin = model.rope.cos_sin(positions)
+    rotations = model.rope.rotations(positions)
     x = model.model.embed_tokens.weight[ids].float()
+    expanded = uses_expanded_attention(cfg, batch)
     for layer in model.model.layers:
-        x = copy.deepcopy(layer).float()(x, cos, sin, model.rope, kv, batch, backends)
+        x = copy.deepcopy(layer).float()(x, rotations, model.rope, kv, batch, backends, expanded)
     x = copy.deepcopy(model.model.norm).float()(x)
     return F.linear(x[last_rows], model.lm_head.weight.float())
 
@@ -193,9 +196,20 @@ def engine_graph_step_ms(model, kv_cache, scratch_page, query_lens, kv_lens, pag
     return ms
 
 
-def profile_decode_step(model, kv_cache, batch_size, context, page_size, log) -> None:
+def profile_step(step: Callable[[], object], log) -> None:
+    """Host and device hot spots of one call of `step` (after a warm-up call)."""
     from torch.profiler import ProfilerActivity, profile
 
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    log(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    log(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
+
+
+def profile_decode_step(model, kv_cache, batch_size, context, page_size, log) -> None:
     device = kv_cache.device
     query_lens, kv_lens = [1] * batch_size, [context] * batch_size
     ids, positions, last_rows = step_inputs(query_lens, kv_lens, model.cfg.vocab_size, device)
@@ -205,12 +219,7 @@ def profile_decode_step(model, kv_cache, batch_size, context, page_size, log) ->
         return model.compute_logits(model(ids, positions, kv_cache, step_batch)[last_rows])
 
     with torch.inference_mode():
-        timed_ms(eager_step, device, warmup=2, iters=1)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            eager_step()
-            torch.cuda.synchronize()
-    log(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-    log(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
+        profile_step(eager_step, log)
 
 
 def main() -> None:
@@ -230,6 +239,8 @@ def main() -> None:
     parser.add_argument("--check-only", action="store_true", help="only the logits check")
     parser.add_argument("--profile-decode", type=int, default=0, help="print host/device hot spots of one eager "
                         "decode step at this batch size (4k context) after the logits check, then stop")
+    parser.add_argument("--profile-prefill", type=int, default=0, help="also print the hot spots of the prefill of "
+                        "this many tokens (one of --prefill)")
     parser.add_argument("--log", default=None)
     args = parser.parse_args()
     log_file = open(args.log, "w") if args.log else None
@@ -296,9 +307,15 @@ def main() -> None:
 
         with torch.inference_mode():
             ms = timed_ms(prefill_step, device, warmup=1, iters=3)
-        fraction = prefill_flop(model, n) / (ms / 1e3) / flop_per_s
-        prefill_rows.append((n, ms, n / (ms / 1e3), fraction))
-        log(f"prefill {n}: {ms:.1f} ms, {n / (ms / 1e3):,.0f} tok/s, {fraction:.0%} of matmul peak")
+        model_width = cfg.qk_head_dim + cfg.v_head_dim
+        fraction = prefill_flop(model, n, model_width) / (ms / 1e3) / flop_per_s
+        absorbed_fraction = prefill_flop(model, n, 2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim) / (ms / 1e3) / flop_per_s
+        prefill_rows.append((n, ms, n / (ms / 1e3), fraction, absorbed_fraction))
+        log(f"prefill {n}: {ms:.1f} ms, {n / (ms / 1e3):,.0f} tok/s, {fraction:.0%} of matmul peak "
+            f"({absorbed_fraction:.0%} counting absorbed-form attention)")
+        if args.profile_prefill == n:
+            with torch.inference_mode():
+                profile_step(prefill_step, log)
 
     decode_rows = []
     for context in contexts:
@@ -315,10 +332,10 @@ def main() -> None:
         log(f"| {r['batch']} | {r['context']} | {r['gb']:.1f} | {r['roofline_ms']:.2f} | {r['eager_ms']:.2f} | "
             f"{r['graph_ms']:.2f} | {r['ratio']:.0%} |")
     log("")
-    log("| prefill tokens | time (ms) | tokens/s | fraction of bf16 matmul peak |")
-    log("|---|---|---|---|")
-    for n, ms, tps, fraction in prefill_rows:
-        log(f"| {n} | {ms:.1f} | {tps:,.0f} | {fraction:.0%} |")
+    log("| prefill tokens | time (ms) | tokens/s | fraction of bf16 matmul peak | same, absorbed-form attention FLOPs |")
+    log("|---|---|---|---|---|")
+    for n, ms, tps, fraction, absorbed_fraction in prefill_rows:
+        log(f"| {n} | {ms:.1f} | {tps:,.0f} | {fraction:.0%} | {absorbed_fraction:.0%} |")
     log("")
     log(f"HBM read {bytes_per_s / 1e12:.2f} TB/s, matmul {flop_per_s / 1e12:.0f} TFLOP/s, "
         f"full-model logits rel err vs float32 {logits_err:.2e}")

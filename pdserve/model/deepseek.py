@@ -12,7 +12,7 @@ from torch import nn
 
 from pdserve.model.config import ModelConfig
 from pdserve.model.rope import RotaryEmbedding
-from pdserve.ops.attention import AttentionBackend, AttentionBatch
+from pdserve.ops.attention import AttentionBackend, AttentionBatch, gather_kv, write_kv
 from pdserve.ops.moe import MoEBackend
 
 
@@ -62,7 +62,10 @@ class MLAttention(nn.Module):
         self.kv_b_proj = _linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
         self.o_proj = _linear(heads * cfg.v_head_dim, cfg.hidden_size)
 
-    def forward(self, x, cos, sin, rope: RotaryEmbedding, kv_cache, batch: AttentionBatch, backend: AttentionBackend):
+    def forward(self, x, rotations, rope: RotaryEmbedding, kv_cache, batch: AttentionBatch, backend: AttentionBackend,
+                expanded: bool = False):
+        """`expanded`: attend with per-head keys and values expanded from the latents (see pdserve.ops.attention);
+        otherwise in the weight-absorbed form over the latents themselves. Both write the new latents to the cache."""
         cfg = self.cfg
         heads, nope, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
         if cfg.q_lora_rank is None:
@@ -73,14 +76,43 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q[..., :nope], q[..., nope:]
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([rank, cfg.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
-        q_pe = rope.apply(q_pe, cos, sin)
-        k_pe = rope.apply(k_pe, cos, sin)
-        # Absorb W_UK into the query and W_UV into the output so attention works on latents only.
-        w_kv_b = self.kv_b_proj.weight.view(heads, nope + cfg.v_head_dim, rank)
-        q_latent = torch.einsum("thd,hdr->thr", q_nope, w_kv_b[:, :nope])
-        out_latent = backend.forward(q_latent, q_pe, latent, k_pe, kv_cache, batch, cfg.softmax_scale)
-        out = torch.einsum("thr,hvr->thv", out_latent, w_kv_b[:, nope:])
+        q_pe = rope.apply(q_pe, rotations)
+        k_pe = rope.apply(k_pe, rotations)
+        if expanded:
+            out = self._attend_expanded(q_nope, q_pe, latent, k_pe, kv_cache, batch, backend)
+        else:
+            # Absorb W_UK into the query and W_UV into the output so attention works on latents only.
+            w_kv_b = self.kv_b_proj.weight.view(heads, nope + cfg.v_head_dim, rank)
+            q_latent = torch.einsum("thd,hdr->thr", q_nope, w_kv_b[:, :nope])
+            out_latent = backend.forward(q_latent, q_pe, latent, k_pe, kv_cache, batch, cfg.softmax_scale)
+            out = torch.einsum("thr,hvr->thv", out_latent, w_kv_b[:, nope:])
         return self.o_proj(out.reshape(x.shape[0], heads * cfg.v_head_dim))
+
+    def _attend_expanded(self, q_nope, q_pe, latent, k_pe, kv_cache, batch: AttentionBatch, backend: AttentionBackend):
+        cfg = self.cfg
+        heads, nope, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        write_kv(kv_cache, latent, k_pe, batch.slot_mapping)
+        if batch.kv_lens != batch.query_lens:  # some sequence has a cached prefix: its keys come from the pages
+            latent, k_pe = gather_kv(kv_cache, batch).split([rank, cfg.qk_rope_head_dim], dim=-1)
+        k_nope, v = self.kv_b_proj(latent).view(-1, heads, nope + cfg.v_head_dim).split([nope, cfg.v_head_dim], -1)
+        k = torch.cat((k_nope, k_pe[:, None, :].expand(-1, heads, -1)), dim=-1)
+        q = torch.cat((q_nope, q_pe), dim=-1)
+        return backend.forward_expanded(q, k, v.contiguous(), batch, cfg.softmax_scale)
+
+
+def uses_expanded_attention(cfg: ModelConfig, batch: AttentionBatch) -> bool:
+    """Whether this step attends in the expanded form: when it costs fewer multiply-adds than the absorbed one.
+    Expanding costs a kv_b projection of every key, absorbing one of every query (in and out); per (query, key)
+    pair the expanded form then does (qk_dim + v_dim) per head against (2 * kv_lora_rank + rope_dim). A decode-only
+    step always stays absorbed: it is what the captured CUDA graphs run."""
+    if not batch.query_lens or max(batch.query_lens) == 1:
+        return False
+    projection = cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank
+    pairs = sum(q * (kv - q) + q * (q + 1) // 2 for q, kv in zip(batch.query_lens, batch.kv_lens))
+    expanded = sum(batch.kv_lens) * projection + pairs * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim)
+    absorbed = sum(batch.query_lens) * projection + pairs * cfg.num_attention_heads * (2 * cfg.kv_lora_rank
+                                                                                       + cfg.qk_rope_head_dim)
+    return expanded < absorbed
 
 
 class DenseMLP(nn.Module):
@@ -167,8 +199,8 @@ class DecoderLayer(nn.Module):
         self.is_moe = cfg.is_moe_layer(layer_idx)
         self.mlp = MoE(cfg, experts) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, rope, kv_cache, batch: AttentionBatch, backends: Backends):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, rope, kv_cache, batch, backends.attention)
+    def forward(self, x, rotations, rope, kv_cache, batch: AttentionBatch, backends: Backends, expanded: bool):
+        x = x + self.self_attn(self.input_layernorm(x), rotations, rope, kv_cache, batch, backends.attention, expanded)
         h = self.post_attention_layernorm(x)
         return x + (self.mlp(h, backends.moe) if self.is_moe else self.mlp(h))
 
@@ -200,10 +232,12 @@ class DeepseekForCausalLM(nn.Module):
         `backends` replaces the model's own for this call (CUDA graphs capture with a fixed-buffer attention)."""
         assert self.rope is not None, "call init_rope() after moving the model to its device"
         backends = backends or self.backends
-        cos, sin = self.rope.cos_sin(positions)
+        rotations = self.rope.rotations(positions)
+        expanded = uses_expanded_attention(self.cfg, batch) and backends.attention.expands(self.cfg.qk_head_dim,
+                                                                                           self.cfg.v_head_dim)
         x = self.model.embed_tokens(input_ids)
         for layer_idx, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, self.rope, kv_cache[layer_idx], batch, backends)
+            x = layer(x, rotations, self.rope, kv_cache[layer_idx], batch, backends, expanded)
         return self.model.norm(x)
 
     def routed_expert_bytes(self) -> int:

@@ -1,8 +1,12 @@
 """MLA attention over the paged latent KV cache: the step's batch description and the torch reference backend.
 
-Attention runs in the weight-absorbed form for every token: queries arrive already projected into the latent space
-(q_latent = W_UK^T q_nope), keys are the cached latents plus the shared rope key, and the output stays latent
-(the caller applies W_UV). The cache is never expanded to per-head keys and values.
+The cache holds latents only. Attention runs in one of two forms, chosen by the model per step:
+- absorbed (`forward`): queries arrive projected into the latent space (q_latent = W_UK^T q_nope), keys are the
+  cached latents plus the shared rope key, the output stays latent (the caller applies W_UV). Cheapest when each
+  query attends to many keys, as in decode.
+- expanded (`forward_expanded`): the caller expands every key's latent into per-head keys and values (192/128
+  wide on DeepSeek instead of 576/512) and attention is plain multi-head attention over a flat, ragged K/V.
+  About 3x fewer attention FLOPs; worth it when the new tokens outnumber what expanding the keys costs (prefill).
 """
 
 from dataclasses import dataclass, field
@@ -20,8 +24,8 @@ class AttentionBatch:
     page_table: torch.Tensor  # [num_seqs, max_pages] int64, page ids of each sequence (padded)
     slot_mapping: torch.Tensor  # [num_tokens] int64, page * page_size + offset for each new token's KV
     page_size: int
-    # Per-step state a backend builds on the first layer and every later layer reuses (e.g. a kernel plan),
-    # keyed by backend; it lives and dies with this step's batch.
+    # Per-step state built on the first layer and reused by every later one (a kernel plan, the KV slots of every
+    # key), keyed by its owner; it lives and dies with this step's batch.
     plans: dict[str, object] = field(default_factory=dict, repr=False)
 
 
@@ -37,6 +41,38 @@ class AttentionBackend(Protocol):
         softmax_scale: float,
     ) -> torch.Tensor:  # [T, H, kv_lora_rank]
         ...
+
+    def expands(self, qk_dim: int, v_dim: int) -> bool:
+        """Whether `forward_expanded` runs heads of these widths."""
+        ...
+
+    def forward_expanded(
+        self,
+        q: torch.Tensor,  # [T, H, qk_dim] new tokens' queries
+        k: torch.Tensor,  # [sum(kv_lens), H, qk_dim] every key of each sequence, sequences one after another
+        v: torch.Tensor,  # [sum(kv_lens), H, v_dim]
+        batch: AttentionBatch,
+        softmax_scale: float,
+    ) -> torch.Tensor:  # [T, H, v_dim]
+        ...
+
+
+KV_SLOTS_KEY = "kv_slots"
+
+
+def gather_kv(kv_cache: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    """Every cached row of each sequence, in order: [sum(kv_lens), kv_dim]. The slots are computed on the device
+    from host-known lengths (no sync) once per step."""
+    slots = batch.plans.get(KV_SLOTS_KEY)
+    if slots is None:
+        device = batch.page_table.device
+        kv_lens = torch.tensor(batch.kv_lens, dtype=torch.int64, device=device)
+        total = sum(batch.kv_lens)
+        seq = torch.repeat_interleave(torch.arange(len(batch.kv_lens), device=device), kv_lens, output_size=total)
+        pos = torch.arange(total, device=device) - (kv_lens.cumsum(0) - kv_lens)[seq]
+        slots = batch.page_table[seq, pos // batch.page_size] * batch.page_size + pos % batch.page_size
+        batch.plans[KV_SLOTS_KEY] = slots
+    return kv_cache.view(-1, kv_cache.shape[-1])[slots]
 
 
 def write_kv(kv_cache: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -58,12 +94,28 @@ class TorchAttention:
             q_lat = q_latent[start : start + n_q].float()
             q_rope = q_pe[start : start + n_q].float()
             scores = torch.einsum("qhr,kr->hqk", q_lat, kv[:, :rank]) + torch.einsum("qhr,kr->hqk", q_rope, kv[:, rank:])
-            scores = scores * softmax_scale
-            # query j sits at position n_kv - n_q + j and sees keys up to there
-            q_pos = torch.arange(n_kv - n_q, n_kv, device=scores.device)
-            k_pos = torch.arange(n_kv, device=scores.device)
-            scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
+            probs = _causal_softmax(scores * softmax_scale, n_q, n_kv)
             out[start : start + n_q] = torch.einsum("hqk,kr->qhr", probs, kv[:, :rank]).to(out.dtype)
             start += n_q
         return out
+
+    def expands(self, qk_dim: int, v_dim: int) -> bool:
+        return True
+
+    def forward_expanded(self, q, k, v, batch: AttentionBatch, softmax_scale: float):
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+        q_start = kv_start = 0
+        for n_q, n_kv in zip(batch.query_lens, batch.kv_lens):
+            q_seq, k_seq, v_seq = (t.float() for t in (q[q_start : q_start + n_q], k[kv_start : kv_start + n_kv],
+                                                       v[kv_start : kv_start + n_kv]))
+            probs = _causal_softmax(torch.einsum("qhd,khd->hqk", q_seq, k_seq) * softmax_scale, n_q, n_kv)
+            out[q_start : q_start + n_q] = torch.einsum("hqk,khd->qhd", probs, v_seq).to(out.dtype)
+            q_start, kv_start = q_start + n_q, kv_start + n_kv
+        return out
+
+
+def _causal_softmax(scores: torch.Tensor, n_q: int, n_kv: int) -> torch.Tensor:
+    """scores [H, n_q, n_kv]: query j sits at position n_kv - n_q + j and sees keys up to there."""
+    q_pos = torch.arange(n_kv - n_q, n_kv, device=scores.device)
+    k_pos = torch.arange(n_kv, device=scores.device)
+    return torch.softmax(scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf")), dim=-1)

@@ -1,4 +1,5 @@
-"""MLA attention on flashinfer's paged MLA kernels: one plan per step, reused by every layer.
+"""MLA attention on flashinfer: paged MLA kernels for the absorbed form, ragged prefill for the expanded form.
+One plan per step and form, reused by every layer.
 
 The layer's cache tensor [pages, page_size, kv_lora_rank + rope_dim] is passed as flashinfer's "packed" KV layout
 (latent and rope key side by side in each row), so the pool needs no second layout and no copy. Decode and
@@ -6,30 +7,59 @@ prefill over a cached prefix are the same call: causal, with each query aligned 
 """
 
 import itertools
+from array import array
+from collections.abc import Iterable
 
 import torch
 
 from pdserve.ops.attention import AttentionBatch, write_kv
 
 PLAN_KEY = "flashinfer_mla"
+RAGGED_PLAN_KEY = "flashinfer_ragged"
+# (qk, v) head widths of the ragged prefill kernels flashinfer builds for Hopper (FA3), DeepSeek's 192/128 among
+# them; other widths compile for the generic kernels without being covered by their tests, so they stay absorbed.
+EXPANDED_HEAD_DIMS = {(64, 64), (128, 128), (256, 256), (192, 128)}
 WORKSPACE_BYTES = 128 << 20
 
 
 class FlashInferMLA:
     def __init__(self, device: torch.device, workspace_bytes: int = WORKSPACE_BYTES):
         from flashinfer.mla import BatchMLAPagedAttentionWrapper  # imported only when this backend is chosen
+        from flashinfer.prefill import BatchPrefillWithRaggedKVCacheWrapper
 
-        workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
-        self.wrapper = BatchMLAPagedAttentionWrapper(workspace, backend="auto")
-        self._plan_token: object | None = None  # names the batch the wrapper is planned for
+        self.wrapper = BatchMLAPagedAttentionWrapper(
+            torch.empty(workspace_bytes, dtype=torch.uint8, device=device), backend="auto")
+        self.ragged = BatchPrefillWithRaggedKVCacheWrapper(
+            torch.empty(workspace_bytes, dtype=torch.uint8, device=device), kv_layout="NHD", backend="auto")
+        self._plan_tokens: dict[str, object] = {}  # per wrapper: names the batch it is planned for
 
     def forward(self, q_latent, q_pe, latent, k_pe, kv_cache, batch: AttentionBatch, softmax_scale: float):
         if not batch.query_lens:  # an idle expert-parallel rank's empty step: nothing to plan or attend
             return torch.empty_like(q_latent)
         write_kv(kv_cache, latent, k_pe, batch.slot_mapping)
-        if self._plan_token is None or batch.plans.get(PLAN_KEY) is not self._plan_token:
+        if self._needs_plan(PLAN_KEY, batch):
             self._plan(q_latent, q_pe, kv_cache, batch, softmax_scale)
         return self.wrapper.run(query=(q_latent, q_pe), kv_cache=kv_cache)
+
+    def expands(self, qk_dim: int, v_dim: int) -> bool:
+        return (qk_dim, v_dim) in EXPANDED_HEAD_DIMS
+
+    def forward_expanded(self, q, k, v, batch: AttentionBatch, softmax_scale: float):
+        if self._needs_plan(RAGGED_PLAN_KEY, batch):
+            self.ragged.plan(
+                qo_indptr=_indptr(batch.query_lens), kv_indptr=_indptr(batch.kv_lens),
+                num_qo_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim_qk=q.shape[2], head_dim_vo=v.shape[2],
+                causal=True, sm_scale=softmax_scale, q_data_type=q.dtype, kv_data_type=k.dtype,
+            )
+            self._mark_planned(RAGGED_PLAN_KEY, batch)
+        return self.ragged.run(q, k, v)
+
+    def _needs_plan(self, key: str, batch: AttentionBatch) -> bool:
+        token = self._plan_tokens.get(key)
+        return token is None or batch.plans.get(key) is not token
+
+    def _mark_planned(self, key: str, batch: AttentionBatch) -> None:
+        self._plan_tokens[key] = batch.plans[key] = object()
 
     def _plan(self, q_latent, q_pe, kv_cache, batch: AttentionBatch, softmax_scale: float) -> None:
         from flashinfer.mla import MLAPlanMetadata
@@ -37,8 +67,8 @@ class FlashInferMLA:
         pages_per_seq = [-(-n // batch.page_size) for n in batch.kv_lens]
         max_pages = batch.page_table.shape[1]
         # Flat page ids of every sequence, gathered on the device from host-known positions (no device->host sync).
-        flat_positions = [seq * max_pages + p for seq, n in enumerate(pages_per_seq) for p in range(n)]
-        positions = torch.tensor(flat_positions, dtype=torch.int64).to(batch.page_table.device, non_blocking=True)
+        flat_positions = (seq * max_pages + p for seq, n in enumerate(pages_per_seq) for p in range(n))
+        positions = _host_ints(flat_positions, "q", torch.int64).to(batch.page_table.device, non_blocking=True)
         kv_indices = batch.page_table.reshape(-1)[positions].to(torch.int32)
         metadata = MLAPlanMetadata.csr(
             qo_indptr=_indptr(batch.query_lens),
@@ -59,12 +89,17 @@ class FlashInferMLA:
             query_layout="split",
             kv_cache_layout="packed",
         )
-        self._plan_token = object()
-        batch.plans[PLAN_KEY] = self._plan_token
+        self._mark_planned(PLAN_KEY, batch)
 
 
 def _indptr(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+
+
+def _host_ints(values: Iterable[int], typecode: str, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor over a packed array: for the tens of thousands of page ids of a large batch, several times
+    faster than torch.tensor(list), which inspects every element (~2 ms of a batch-256 x 4k decode step)."""
+    return torch.frombuffer(array(typecode, values), dtype=dtype)
 
 
 class FlashInferMLAGraphSlot:
@@ -99,11 +134,11 @@ class FlashInferMLAGraphSlot:
         from flashinfer.mla import MLAPlanMetadata
 
         pages_per_seq = [-(-n // self.page_size) for n in kv_lens]
-        flat_pages = [page for pages, n in zip(page_ids, pages_per_seq) for page in pages[:n]]
+        flat_pages = itertools.chain.from_iterable(pages[:n] for pages, n in zip(page_ids, pages_per_seq))
         metadata = MLAPlanMetadata.csr(
             qo_indptr=self._qo_indptr,
             kv_indptr=_indptr(pages_per_seq),
-            kv_indices=torch.tensor(flat_pages, dtype=torch.int32).to(self.wrapper.device, non_blocking=True),
+            kv_indices=_host_ints(flat_pages, "i", torch.int32).to(self.wrapper.device, non_blocking=True),
             kv_len_arr=torch.tensor(kv_lens, dtype=torch.int32),
         )
         self.wrapper.plan(metadata=metadata, **self._plan_args)

@@ -7,8 +7,10 @@ from pdserve import LLM, SamplingParams
 from pdserve.engine.cuda_graphs import capture_sizes
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-# flashinfer's MLA kernels take the real latent widths (512 + 64) and 16 heads; the rest stays tiny.
-FLASHINFER_SHAPE = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "num_attention_heads": 16, "num_key_value_heads": 16}
+# flashinfer's kernels take the real latent widths (512 + 64), 16 heads and the expanded prefill's 192/128 heads;
+# the rest stays tiny.
+FLASHINFER_SHAPE = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "num_attention_heads": 16, "num_key_value_heads": 16,
+                    "qk_nope_head_dim": 128, "v_head_dim": 128}
 
 
 def prompts_of(lengths, vocab=500, seed=3):

@@ -76,3 +76,24 @@ def test_flashinfer_plans_once_per_step_and_replans_for_a_new_step():
     out2 = backend.forward(*inputs2, kv_cache2, batch2, scale)
     ref2 = TorchAttention().forward(*inputs2, kv_cache2.clone(), batch2, scale)
     assert rel_err(out2.float(), ref2.float()) < 1e-2
+
+
+@pytest.mark.gpu
+def test_flashinfer_expanded_prefill_over_cached_prefix_matches_torch_reference():
+    from pdserve.ops.attention_flashinfer import RAGGED_PLAN_KEY, FlashInferMLA
+
+    _, _, batch = make_step(query_lens=[37, 128, 1, 300], cached_lens=[0, 64, 500, 17], page_size=64, device="cuda")
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    tokens, keys = sum(batch.query_lens), sum(batch.kv_lens)
+    q, k = (torch.randn(n, HEADS, 192, generator=gen).to("cuda", torch.bfloat16) for n in (tokens, keys))
+    v = torch.randn(keys, HEADS, 128, generator=gen).to("cuda", torch.bfloat16)
+    scale = 192**-0.5
+    backend = FlashInferMLA(torch.device("cuda"))
+    out = backend.forward_expanded(q, k, v, batch, scale)
+    token = batch.plans[RAGGED_PLAN_KEY]
+    again = backend.forward_expanded(q, k, v, batch, scale)  # a second "layer": same plan
+    ref = TorchAttention().forward_expanded(q, k, v, batch, scale)
+    assert batch.plans[RAGGED_PLAN_KEY] is token
+    assert not torch.isnan(out).any()
+    assert torch.equal(out, again)
+    assert rel_err(out.float(), ref.float()) < 1e-2

@@ -50,3 +50,17 @@ def test_grouped_moe_matches_torch_reference_on_gpu(num_tokens):
 @pytest.mark.gpu
 def test_grouped_moe_drops_foreign_experts_on_gpu():
     check_matches_reference("cuda", first_expert=16, extra_ids=16, hidden=256, inter=128, experts=32, top_k=6)
+
+
+@pytest.mark.gpu
+def test_compiled_weighted_silu_and_mul_matches_eager():
+    from pdserve.ops.moe_grouped import fused_weighted_silu_and_mul, weighted_silu_and_mul
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for rows in (1, 37, 4096):
+        gate_up = (torch.randn(rows, 2 * 1408, generator=gen) * 3).to("cuda", torch.bfloat16)
+        weights = torch.rand(rows, generator=gen).to("cuda")
+        fused = fused_weighted_silu_and_mul(gate_up, weights)
+        eager = weighted_silu_and_mul(gate_up, weights)
+        assert fused.dtype == torch.bfloat16 and fused.shape == (rows, 1408)
+        assert rel_err(fused, eager) < 1e-3
