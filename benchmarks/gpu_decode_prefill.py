@@ -175,23 +175,27 @@ def decode_row(model, kv_cache, scratch_page, batch_size, context, page_size, by
                 eager_ms=eager_ms, graph_ms=graph_ms, ratio=roofline_ms / best)
 
 
-def engine_graph_step_ms(model, kv_cache, scratch_page, query_lens, kv_lens, page_size) -> float:
+def engine_graph_step_ms(model, kv_cache, scratch_page, query_lens, kv_lens, page_size, iters: int = 20) -> float:
     """The engine's decode path: DecodeGraphs.run (host plan + input copy + replay), synchronised every step as the
-    engine's sampler does; sequences own contiguous pages as in contiguous_batch."""
+    engine's sampler does, every sequence one token longer each step as in real decoding (the context grows by at
+    most warm-up + iters tokens); sequences own contiguous pages, one spare each for the growth."""
     batch_size, context = len(kv_lens), kv_lens[0]
-    pages = -(-context // page_size)
+    pages = -(-context // page_size) + 1
     graphs = DecodeGraphs(model, kv_cache, page_size, DecodeGraphConfig((batch_size,), pages), scratch_page)
     page_ids = [list(range(i * pages, (i + 1) * pages)) for i in range(batch_size)]
-    pos = context - 1
-    slots = [ids[pos // page_size] * page_size + pos % page_size for ids in page_ids]
     gen = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, model.cfg.vocab_size, (batch_size,), generator=gen).tolist()
+    steps_taken = [0]
 
     def step():
-        graphs.run(input_ids, [pos] * batch_size, slots, list(kv_lens), page_ids)
+        length = context + steps_taken[0] % page_size  # stays within the spare page however often it is called
+        pos = length - 1
+        slots = [ids[pos // page_size] * page_size + pos % page_size for ids in page_ids]
+        graphs.run(input_ids, [pos] * batch_size, slots, [length] * batch_size, page_ids)
         torch.cuda.synchronize()
+        steps_taken[0] += 1
 
-    ms = timed_ms(step, kv_cache.device, iters=20)
+    ms = timed_ms(step, kv_cache.device, iters=iters)
     del graphs
     return ms
 

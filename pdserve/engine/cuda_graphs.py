@@ -5,6 +5,11 @@ between steps lives in fixed device buffers filled before each replay: token ids
 host-to-device copy) and flashinfer's attention plan (made on the host, copied into its metadata buffers). Nothing
 inside a step waits on the host. Padding rows decode token 0 at position 0 into a scratch page that no request
 owns, and their logits are dropped.
+
+Each size is captured twice. While one capture replays, the host plans the other for the step most likely next
+(the same sequences, one token longer): when that step comes, only its page ids are copied in, so the 1-4 ms of
+planning overlaps the GPU's work instead of preceding it. A plan depends on the lengths alone; the page ids are
+data the kernels read.
 """
 
 import logging
@@ -53,6 +58,13 @@ class _CapturedStep:
     logits: torch.Tensor  # [batch size, vocab] float32, rewritten by every replay
 
 
+@dataclass(frozen=True)
+class _PlannedStep:
+    size: int
+    index: int  # which of the size's two captures holds the plan
+    kv_lens: tuple[int, ...]  # padded, as planned
+
+
 class DecodeGraphs:
     def __init__(self, model: DeepseekForCausalLM, kv_cache: torch.Tensor, page_size: int, cfg: DecodeGraphConfig,
                  scratch_page: int):
@@ -64,9 +76,11 @@ class DecodeGraphs:
         self._inputs = torch.zeros(3, self.sizes[-1], dtype=torch.int64, device=device)
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)  # replays never overlap
         pool = torch.cuda.graph_pool_handle()
-        self._steps: dict[int, _CapturedStep] = {}
+        self._steps: dict[int, tuple[_CapturedStep, _CapturedStep]] = {}
         for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool memory
-            self._steps[size] = self._capture(size, cfg.max_pages_per_seq, pool)
+            self._steps[size] = tuple(self._capture(size, cfg.max_pages_per_seq, pool) for _ in range(2))
+        self._last_replayed: _PlannedStep | None = None
+        self._planned_ahead: _PlannedStep | None = None
         log.info("captured decode CUDA graphs for batch sizes %s", list(self.sizes))
 
     @property
@@ -80,7 +94,7 @@ class DecodeGraphs:
             self._workspace, size, size * max_pages_per_seq, self.page_size, cfg.num_attention_heads,
             cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.softmax_scale, self.kv_cache.dtype,
         )
-        self._fill(attention, [], [], [], [], [], size)  # all padding: a valid plan for the warm-up and capture
+        attention.plan([1] * size, [[self.scratch_page]] * size)  # all padding: a valid plan for warm-up and capture
         ids, positions, slots = self._inputs[:, :size]
         batch = AttentionBatch(query_lens=[1] * size, kv_lens=[1] * size, slot_mapping=slots, page_size=self.page_size,
                                page_table=torch.zeros(size, 1, dtype=torch.int64, device=ids.device))  # unused
@@ -99,22 +113,44 @@ class DecodeGraphs:
             logits = step()
         return _CapturedStep(graph, attention, logits)
 
-    def _fill(self, attention: FlashInferMLAGraphSlot, input_ids: list[int], positions: list[int], slots: list[int],
-              kv_lens: list[int], page_ids: list[list[int]], size: int) -> None:
-        pad = size - len(input_ids)
-        attention.plan(kv_lens + [1] * pad, page_ids + [[self.scratch_page]] * pad)
-        host = torch.tensor([input_ids + [0] * pad, positions + [0] * pad,
-                             slots + [self.scratch_page * self.page_size] * pad], dtype=torch.int64)
-        self._inputs[:, :size].copy_(host)
-
     @torch.inference_mode()  # the plan buffers were made under inference mode, at capture
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], kv_lens: list[int],
             page_ids: list[list[int]]) -> torch.Tensor:
         """One new token per sequence (at most max_batch_size); float32 logits [num seqs, vocab], valid until the
-        next run."""
+        next run but one."""
         num_seqs = len(input_ids)
         size = next(s for s in self.sizes if s >= num_seqs)
-        step = self._steps[size]
-        self._fill(step.attention, input_ids, positions, slots, kv_lens, page_ids, size)
+        pad = size - num_seqs
+        padded_lens = kv_lens + [1] * pad
+        padded_pages = page_ids + [[self.scratch_page]] * pad
+        ahead = self._planned_ahead
+        if ahead is not None and ahead.size == size and ahead.kv_lens == tuple(padded_lens):
+            index = ahead.index
+            self._steps[size][index].attention.copy_page_ids(padded_lens, padded_pages)
+        else:
+            index = self._free_index(size)
+            self._steps[size][index].attention.plan(padded_lens, padded_pages)
+        step = self._steps[size][index]
+        host = torch.tensor([input_ids + [0] * pad, positions + [0] * pad,
+                             slots + [self.scratch_page * self.page_size] * pad], dtype=torch.int64)
+        self._inputs[:, :size].copy_(host)
         step.graph.replay()
+        self._last_replayed = _PlannedStep(size, index, tuple(padded_lens))
+        self._plan_ahead(size, kv_lens, page_ids, pad)
         return step.logits[:num_seqs]
+
+    def _free_index(self, size: int) -> int:
+        """The capture of `size` that the last replay did not use (it may still be running)."""
+        last = self._last_replayed
+        return 1 - last.index if last is not None and last.size == size else 0
+
+    def _plan_ahead(self, size: int, kv_lens: list[int], page_ids: list[list[int]], pad: int) -> None:
+        """Plan the other capture for the same sequences one token longer, while the GPU runs this step. A page the
+        longer sequence will need but does not own yet is a placeholder until run() copies the real ids in."""
+        next_lens = [n + 1 for n in kv_lens]
+        next_pages = [pages if -(-n // self.page_size) <= len(pages) else pages + [self.scratch_page]
+                      for pages, n in zip(page_ids, next_lens)]
+        padded_lens = next_lens + [1] * pad
+        index = self._free_index(size)
+        self._steps[size][index].attention.plan(padded_lens, next_pages + [[self.scratch_page]] * pad)
+        self._planned_ahead = _PlannedStep(size, index, tuple(padded_lens))

@@ -120,11 +120,12 @@ class FlashInferMLAGraphSlot:
                                page_size=page_size, causal=True, sm_scale=softmax_scale, q_data_type=dtype,
                                kv_data_type=dtype, query_layout="split", kv_cache_layout="packed")
         self._qo_indptr = torch.arange(batch_size + 1, dtype=torch.int32)  # one query each, never changes
+        self._kv_indices = torch.empty(max_kv_pages, dtype=torch.int32, device=device)
         self.wrapper = BatchMLAPagedAttentionWrapper(
             workspace, use_cuda_graph=True,
             qo_indptr=torch.empty(batch_size + 1, dtype=torch.int32, device=device),
             kv_indptr=torch.empty(batch_size + 1, dtype=torch.int32, device=device),
-            kv_indices=torch.empty(max_kv_pages, dtype=torch.int32, device=device),
+            kv_indices=self._kv_indices,
             kv_len_arr=torch.empty(batch_size, dtype=torch.int32, device=device),
             backend="auto",
         )
@@ -134,14 +135,24 @@ class FlashInferMLAGraphSlot:
         from flashinfer.mla import MLAPlanMetadata
 
         pages_per_seq = [-(-n // self.page_size) for n in kv_lens]
-        flat_pages = itertools.chain.from_iterable(pages[:n] for pages, n in zip(page_ids, pages_per_seq))
         metadata = MLAPlanMetadata.csr(
             qo_indptr=self._qo_indptr,
             kv_indptr=_indptr(pages_per_seq),
-            kv_indices=_host_ints(flat_pages, "i", torch.int32).to(self.wrapper.device, non_blocking=True),
+            kv_indices=self._flat_page_ids(page_ids, pages_per_seq).to(self.wrapper.device, non_blocking=True),
             kv_len_arr=torch.tensor(kv_lens, dtype=torch.int32),
         )
         self.wrapper.plan(metadata=metadata, **self._plan_args)
+
+    def copy_page_ids(self, kv_lens: list[int], page_ids: list[list[int]]) -> None:
+        """New page ids for the lengths the wrapper is planned for: the plan splits work by length only, and the
+        kernels read the page ids from this buffer."""
+        flat = self._flat_page_ids(page_ids, [-(-n // self.page_size) for n in kv_lens])
+        self._kv_indices[: flat.numel()].copy_(flat, non_blocking=True)
+
+    @staticmethod
+    def _flat_page_ids(page_ids: list[list[int]], pages_per_seq: list[int]) -> torch.Tensor:
+        return _host_ints(itertools.chain.from_iterable(p[:n] for p, n in zip(page_ids, pages_per_seq)), "i",
+                          torch.int32)
 
     def forward(self, q_latent, q_pe, latent, k_pe, kv_cache, batch: AttentionBatch, softmax_scale: float):
         write_kv(kv_cache, latent, k_pe, batch.slot_mapping)
