@@ -77,24 +77,25 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 class Engine:
     def __init__(self, cfg: EngineConfig, experts: ExpertRange | None = None,
-                 on_kv_events: Callable[[list[KVEvent]], None] | None = None, moe: MoEBackend | None = None):
-        """`experts`: the routed experts this rank loads (default all); `moe`: a backend replacing the configured
-        one (expert parallelism passes its exchange here)."""
+                 on_kv_events: Callable[[list[KVEvent]], None] | None = None,
+                 wrap_moe: Callable[[MoEBackend], MoEBackend] | None = None):
+        """`experts`: the routed experts this rank loads (default all); `wrap_moe`: wraps the configured MoE backend
+        (expert parallelism puts its exchange around it, and runs its received rows through it)."""
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.model_config = ModelConfig.from_dir(cfg.model)
         self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
         backends = select_backends(cfg.attention_backend, cfg.moe_backend, self.device, self.dtype)
-        if moe is not None:
-            backends = replace(backends, moe=moe)
+        if wrap_moe is not None:
+            backends = replace(backends, moe=wrap_moe(backends.moe))
         if cfg.load_format == "random":
             model = init_random_weights(build_model(self.model_config, backends, self.device, self.dtype, experts), cfg.seed)
         else:
             model = load_model(cfg.model, self.model_config, backends, self.device, self.dtype, experts, cfg.progress)
         num_pages = cfg.num_pages or self._pages_that_fit()
         # Expert parallelism exchanges variable-sized batches between ranks: not capturable in a graph.
-        use_graphs = cfg.cuda_graphs and moe is None
+        use_graphs = cfg.cuda_graphs and wrap_moe is None
         graphs = decode_graph_config(use_graphs, model, cfg.max_num_seqs, self.max_model_len, cfg.page_size)
         self.runner = ModelRunner(model, num_pages, cfg.page_size, self.device, self.dtype, graphs)
         self.allocator = PageAllocator(num_pages)

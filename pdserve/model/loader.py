@@ -1,6 +1,7 @@
 """Load a Hugging Face DeepSeek checkpoint (safetensors, single or sharded; bf16/fp32 or FP8 block-quantized)."""
 
 import json
+import logging
 import re
 from contextlib import ExitStack
 from pathlib import Path
@@ -17,6 +18,8 @@ EXPERT_TENSOR = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up
 FUSED_EXPERT_TENSOR = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
 SCALE_SUFFIX = "_scale_inv"
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -71,12 +74,15 @@ def load_model(
     experts_of = model.expert_range
     files = tensor_files(model_dir)
     filled: set[str] = set()
+    fp8_elements = 0
     with ExitStack() as stack:
         handles = {f: stack.enter_context(safe_open(f, framework="pt", device="cpu")) for f in set(files.values())}
 
         def read(name: str) -> torch.Tensor:
+            nonlocal fp8_elements
             tensor = handles[files[name]].get_tensor(name)
             if tensor.dtype == torch.float8_e4m3fn:
+                fp8_elements += tensor.numel()
                 scale_name = name + SCALE_SUFFIX
                 if cfg.fp8_block_size is None or scale_name not in files:
                     raise CheckpointError(f"FP8 tensor {name} has no {scale_name} or config has no quantization_config")
@@ -126,6 +132,11 @@ def load_model(
             copy_into(name, params[name], read(name), name)
             filled.add(name)
     _check_complete(model, expected, filled)
+    if fp8_elements:
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        log.info("FP8 block-quantized checkpoint dequantized to %s on load (no FP8 GEMMs yet): the %.1f GiB of FP8 "
+                 "weights read take %.1f GiB here; this rank's weights take %.1f GiB in all", str(dtype).removeprefix(
+                     "torch."), fp8_elements / 2**30, fp8_elements * dtype.itemsize / 2**30, weight_bytes / 2**30)
     return model
 
 

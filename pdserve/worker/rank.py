@@ -22,14 +22,14 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
+import torch.distributed as dist
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.engine import Engine, InvalidRequestError, NoCapacityError, RequestOutput, resolve_device, resolve_dtype
+from pdserve.engine.engine import Engine, InvalidRequestError, NoCapacityError, RequestOutput
 from pdserve.engine.lockstep import Lockstep
 from pdserve.model.config import ModelConfig
 from pdserve.model.deepseek import ExpertRange
-from pdserve.ops.moe_ep import ExpertParallelMoE
-from pdserve.ops.select import select_backends
+from pdserve.ops.moe_ep import ExpertParallelMoE, expert_owner_range
 from pdserve.transfer.agent import KVTransferAgent, TransferError, TransferHandle
 from pdserve.worker.client import WorkerClient, WorkerUnavailable
 from pdserve.worker.kv_event_log import KVEventLog
@@ -111,12 +111,9 @@ class RankRuntime:
     def _expert_parallel_engine(self, cfg: RankConfig) -> tuple[Engine, Lockstep]:
         """This rank's experts and the exchange over the default process group (the actor has joined it)."""
         num_experts = ModelConfig.from_dir(cfg.engine.model).n_routed_experts
-        device = resolve_device(cfg.engine.device)
-        local = select_backends(cfg.engine.attention_backend, cfg.engine.moe_backend, device,
-                                resolve_dtype(cfg.engine.dtype, device)).moe
-        moe = ExpertParallelMoE(None, num_experts, local)
-        experts = ExpertRange(moe.first_expert, moe.experts_per_rank)
-        engine = Engine(cfg.engine, experts, self.kv_events.record, moe=moe)
+        experts = ExpertRange(*expert_owner_range(dist.get_rank(), dist.get_world_size(), num_experts))
+        engine = Engine(cfg.engine, experts, self.kv_events.record,
+                        wrap_moe=lambda local: ExpertParallelMoE(None, num_experts, local))
         log.info("rank %s of %s: routed experts [%s, %s), %.1f MiB of expert weights", cfg.rank, cfg.world_size,
                  experts.first, experts.first + experts.count, engine.runner.model.routed_expert_bytes() / 2**20)
         return engine, Lockstep(None, engine.device)

@@ -35,9 +35,8 @@ def _rank_main(rank: int, world_size: int, port: int, model: str, prompts: list[
     try:
         num_experts = ModelConfig.from_dir(model).n_routed_experts
         experts = ExpertRange(*expert_owner_range(rank, world_size, num_experts))
-        moe = ExpertParallelMoE(None, num_experts)
         engine = Engine(EngineConfig(model=model, dtype="float32", device="cpu", num_pages=64, progress=False),
-                        experts=experts, moe=moe)
+                        experts=experts, wrap_moe=lambda local: ExpertParallelMoE(None, num_experts, local))
         for i, ids in enumerate(prompts):
             engine.add_request(f"r{rank}-{i}", ids, SAMPLING)
         tokens: dict[str, list[int]] = {f"r{rank}-{i}": [] for i in range(len(prompts))}

@@ -1,6 +1,7 @@
 """Checkpoint loading: FP8 block-quantized weights, sharded files, and clear errors for a broken checkpoint."""
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -23,12 +24,18 @@ def prefill_logits(model_dir: str, prompt: list[int], dtype: str) -> torch.Tenso
     return engine.runner.execute(scheduled)[0]
 
 
-def test_fp8_checkpoint_matches_its_dequantized_twin(tmp_path):
+def test_fp8_checkpoint_matches_its_dequantized_twin(tmp_path, caplog):
     fp8_dir = make_tiny_model(tmp_path / "fp8", arch="v3", overrides=FP8_SHAPES, fp8=True)
     twin = dequantized_twin(fp8_dir, tmp_path / "twin", dtype="bfloat16")
     prompt = list(range(2, 40))
-    a = prefill_logits(str(fp8_dir), prompt, "bfloat16")
-    b = prefill_logits(str(twin), prompt, "bfloat16")
+    with caplog.at_level(logging.INFO, logger="pdserve.model.loader"):
+        a = prefill_logits(str(fp8_dir), prompt, "bfloat16")
+    notes = [r.getMessage() for r in caplog.records if "FP8" in r.getMessage()]
+    assert len(notes) == 1 and "dequantized to bfloat16" in notes[0]  # what the dequantization costs is said once
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pdserve.model.loader"):
+        b = prefill_logits(str(twin), prompt, "bfloat16")
+    assert not [r for r in caplog.records if "FP8" in r.getMessage()]
     assert torch.equal(a, b)
 
 
