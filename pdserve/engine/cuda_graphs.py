@@ -79,7 +79,8 @@ class DecodeGraphs:
         self._steps: dict[int, tuple[_CapturedStep, _CapturedStep]] = {}
         for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool memory
             self._steps[size] = tuple(self._capture(size, cfg.max_pages_per_seq, pool) for _ in range(2))
-        self._last_replayed: _PlannedStep | None = None
+        self.max_pages_per_seq = cfg.max_pages_per_seq
+        self._last_replayed: tuple[int, int] | None = None  # (size, index) of the last replay
         self._planned_ahead: _PlannedStep | None = None
         log.info("captured decode CUDA graphs for batch sizes %s", list(self.sizes))
 
@@ -135,19 +136,22 @@ class DecodeGraphs:
                              slots + [self.scratch_page * self.page_size] * pad], dtype=torch.int64)
         self._inputs[:, :size].copy_(host)
         step.graph.replay()
-        self._last_replayed = _PlannedStep(size, index, tuple(padded_lens))
+        self._last_replayed = (size, index)
         self._plan_ahead(size, kv_lens, page_ids, pad)
         return step.logits[:num_seqs]
 
     def _free_index(self, size: int) -> int:
         """The capture of `size` that the last replay did not use (it may still be running)."""
         last = self._last_replayed
-        return 1 - last.index if last is not None and last.size == size else 0
+        return 1 - last[1] if last is not None and last[0] == size else 0
 
     def _plan_ahead(self, size: int, kv_lens: list[int], page_ids: list[list[int]], pad: int) -> None:
         """Plan the other capture for the same sequences one token longer, while the GPU runs this step. A page the
         longer sequence will need but does not own yet is a placeholder until run() copies the real ids in."""
         next_lens = [n + 1 for n in kv_lens]
+        if -(-max(next_lens) // self.page_size) > self.max_pages_per_seq:  # past the longest sequence captured for
+            self._planned_ahead = None
+            return
         next_pages = [pages if -(-n // self.page_size) <= len(pages) else pages + [self.scratch_page]
                       for pages, n in zip(page_ids, next_lens)]
         padded_lens = next_lens + [1] * pad
