@@ -10,12 +10,11 @@ Prints one table. TTFT here is measured at the worker API (no router), first str
 
 import argparse
 import asyncio
+import json
 import re
 import statistics
 import tempfile
 import time
-
-import json
 from pathlib import Path
 
 import httpx

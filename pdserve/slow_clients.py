@@ -12,6 +12,8 @@ import asyncio
 from dataclasses import dataclass
 
 import h11
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 _TIMEOUT_BODY = b'{"error":{"message":"request not received in time","type":"invalid_request_error","code":"request_timeout"}}'
@@ -84,18 +86,25 @@ class SlowClientBoundedH11(H11Protocol):
 
     def resume_writing(self) -> None:
         super().resume_writing()
+        self._cancel_send_deadline()
+
+    def _cancel_send_deadline(self) -> None:
         if self._send_deadline is not None:
             self._send_deadline.cancel()
             self._send_deadline = None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_read_deadline()
-        if self._send_deadline is not None:
-            self._send_deadline.cancel()
-            self._send_deadline = None
+        self._cancel_send_deadline()
         super().connection_lost(exc)
 
 
 def bounded_h11(limits: SlowClientLimits) -> type[SlowClientBoundedH11]:
     """What to pass as uvicorn's `http=`: the h11 protocol with these limits."""
     return type("SlowClientBoundedH11", (SlowClientBoundedH11,), {"limits": limits})
+
+
+async def client_left(request: Request, error: ClientDisconnect) -> Response:
+    """Exception handler for both apps: the client left (or a bound above cut it) while sending its body, so nobody
+    reads the answer."""
+    return Response(status_code=499)

@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from pdserve.slow_clients import client_left
 from router import openai_schema as schema
 from router.admission import Admission, authenticate, read_body_limited
 from router.config import RouterConfig
@@ -102,10 +103,7 @@ def build_router_app(config: RouterConfig, discovery: Discovery | None = None) -
     async def on_http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         return error_response(APIError(error.status_code, str(error.detail), code="not_found" if error.status_code == 404 else None))
 
-    @app.exception_handler(ClientDisconnect)
-    async def on_client_left(request: Request, error: ClientDisconnect) -> Response:
-        # The client left (or pdserve/slow_clients.py cut it) while sending its body: nobody reads this answer.
-        return Response(status_code=499)
+    app.add_exception_handler(ClientDisconnect, client_left)
 
     @app.exception_handler(Exception)
     async def on_unexpected_error(request: Request, error: Exception) -> JSONResponse:

@@ -32,6 +32,10 @@ class WorkerUnavailable(Exception):
         self.timed_out = timed_out
 
 
+def _unreachable(where: str, error: httpx.HTTPError) -> WorkerUnavailable:
+    return WorkerUnavailable(f"{where}: {error!r}", timed_out=isinstance(error, httpx.TimeoutException))
+
+
 async def _ndjson_lines(response: httpx.Response) -> AsyncIterator[bytes]:
     buffer = b""
     async for chunk in response.aiter_bytes():
@@ -55,8 +59,7 @@ class WorkerClient:
             response = await self._http.get(self.url + path, timeout=self._timeout_s)
             response.raise_for_status()
         except httpx.HTTPError as error:
-            raise WorkerUnavailable(f"{self.url}{path}: {error!r}",
-                                    timed_out=isinstance(error, httpx.TimeoutException)) from error
+            raise _unreachable(f"{self.url}{path}", error) from error
         return msgspec.json.decode(response.content, type=message_type)
 
     async def health(self) -> WorkerHealth:
@@ -65,8 +68,7 @@ class WorkerClient:
         try:
             response = await self._http.get(self.url + "/health", timeout=self._timeout_s)
         except httpx.HTTPError as error:
-            raise WorkerUnavailable(f"{self.url}/health: {error!r}",
-                                    timed_out=isinstance(error, httpx.TimeoutException)) from error
+            raise _unreachable(f"{self.url}/health", error) from error
         if response.status_code == 503:
             with contextlib.suppress(msgspec.DecodeError):
                 health = msgspec.json.decode(response.content, type=WorkerHealth)

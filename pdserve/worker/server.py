@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
 
+from pdserve.slow_clients import client_left
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.drain import CountedStreamingResponse, DrainGate
 from pdserve.worker.metrics import WorkerMetrics
@@ -81,10 +82,7 @@ def build_worker_app(cfg: WorkerConfig, ranks: RankSet, info: WorkerInfo, gate: 
 
     app = FastAPI(title="pdserve worker", lifespan=lifespan)
 
-    @app.exception_handler(ClientDisconnect)
-    async def on_client_left(request: Request, error: ClientDisconnect) -> Response:
-        # The client left (or pdserve/slow_clients.py cut it) while sending its body: nobody reads this answer.
-        return Response(status_code=499)
+    app.add_exception_handler(ClientDisconnect, client_left)
 
     def rank_handle(rank: int) -> RankHandle | None:
         return ranks.handles[rank] if 0 <= rank < len(ranks.handles) else None
