@@ -21,10 +21,10 @@ import httpx
 import torch
 
 from pdserve.cluster.local import ClusterConfig, LocalCluster
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.tiny import make_config_only_model, make_tiny_model
-from pdserve.worker.client import WorkerClient
-from pdserve.worker.protocol import GenerateRequest, Plan, PrefillSource
+from pdserve.wire.client import WorkerClient
+from pdserve.wire.protocol import GenerateRequest, Plan, PrefillSource
+from pdserve.wire.sampling import SamplingParams
 
 PROMPT_LENGTHS = (256, 1024, 2048, 4096, 8192)
 V2_LITE_CONFIG = Path(__file__).resolve().parents[1] / "pdserve" / "model" / "configs" / "deepseek-v2-lite.json"

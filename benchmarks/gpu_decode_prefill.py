@@ -20,12 +20,12 @@ import torch.nn.functional as F
 
 from pdserve.engine.cuda_graphs import DecodeGraphConfig, DecodeGraphs
 from pdserve.model.config import ModelConfig
-from pdserve.model.deepseek import Backends, DeepseekForCausalLM, uses_expanded_attention
+from pdserve.model.deepseek import DeepseekForCausalLM, uses_expanded_attention
 from pdserve.model.loader import build_model
 from pdserve.model.random_init import init_random_weights
 from pdserve.ops.attention import AttentionBatch, TorchAttention
 from pdserve.ops.moe import TorchMoE
-from pdserve.ops.select import select_backends
+from pdserve.ops.select import Backends, select_backends
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "pdserve" / "model" / "configs" / "deepseek-v2-lite.json"
 

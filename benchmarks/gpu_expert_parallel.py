@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from gpu_decode_prefill import DEFAULT_CONFIG, contiguous_batch, step_inputs
+
 from pdserve.cluster.local import free_port
 from pdserve.model.config import ModelConfig
-from pdserve.model.deepseek import ExpertRange
 from pdserve.model.loader import build_model
 from pdserve.model.random_init import init_random_weights
+from pdserve.ops.moe import ExpertRange
 from pdserve.ops.moe_ep import ExpertParallelMoE
 from pdserve.ops.select import select_backends
 

@@ -12,7 +12,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(llm, name)
     if name == "SamplingParams":
-        from pdserve.engine.sampling_params import SamplingParams
+        from pdserve.wire.sampling import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from starlette.requests import Request
 
-from router.errors import APIError
+from pdserve_router.errors import APIError
 
 
 def authenticate(authorization: str | None, api_keys: frozenset[str]) -> str:

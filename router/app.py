@@ -13,19 +13,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from pdserve.slow_clients import client_left
-from router import openai_schema as schema
-from router.admission import Admission, authenticate, read_body_limited
-from router.config import RouterConfig
-from router.discovery import Discovery, KubernetesDiscovery, StaticDiscovery
-from router.dispatch import Dispatcher
-from router.errors import APIError
-from router.metrics import RouterMetrics
-from router.policies import LocalPrefillRule, make_policy
-from router.prefix_index import PrefixIndex
-from router.serving import Serving
-from router.tokenizer import PromptTokenizer
-from router.workers import WorkerPool
+from pdserve.http.slow_clients import client_left
+from pdserve.text.tokenizer import PromptTokenizer
+from pdserve_router import openai_schema as schema
+from pdserve_router.admission import Admission, authenticate, read_body_limited
+from pdserve_router.config import RouterConfig
+from pdserve_router.discovery import Discovery, KubernetesDiscovery, StaticDiscovery
+from pdserve_router.dispatch import Dispatcher
+from pdserve_router.errors import APIError
+from pdserve_router.metrics import RouterMetrics
+from pdserve_router.policies import LocalPrefillRule, make_policy
+from pdserve_router.prefix_index import PrefixIndex
+from pdserve_router.serving import Serving
+from pdserve_router.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
 

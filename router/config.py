@@ -44,7 +44,7 @@ class RouterConfig:
     max_attempts: int = 3  # ranks tried for a request that has produced no token yet
     max_migrations: int = 2  # times a stream moves to another decode path after its worker failed mid-stream
     first_token_timeout_s: float = 600.0  # bound on waiting for a worker's first token
-    # Slow clients (pdserve/slow_clients.py): a request must arrive whole within this of its first byte, and a
+    # Slow clients (pdserve/http/slow_clients.py): a request must arrive whole within this of its first byte, and a
     # response the client stops taking is cut after this long.
     request_read_timeout_s: float = 30.0
     send_stall_timeout_s: float = 60.0

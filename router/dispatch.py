@@ -11,15 +11,15 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.worker.protocol import GenerateRequest, Plan, PrefillSource, TokenEvent
-from router.errors import APIError
-from router.metrics import RouterMetrics
-from router.migration import Continuation, DetokenizerFactory
-from router.policies import LocalPrefillRule, Policy, RoutingRequest, choose_decode
-from router.prefix_index import PrefixIndex, RankKey
-from pdserve.worker.client import WorkerUnavailable
-from router.workers import WorkerPool
+from pdserve.wire.client import WorkerUnavailable
+from pdserve.wire.protocol import GenerateRequest, Plan, PrefillSource, TokenEvent
+from pdserve.wire.sampling import SamplingParams
+from pdserve_router.errors import APIError
+from pdserve_router.metrics import RouterMetrics
+from pdserve_router.migration import Continuation, DetokenizerFactory
+from pdserve_router.policies import LocalPrefillRule, Policy, RoutingRequest, choose_decode
+from pdserve_router.prefix_index import PrefixIndex, RankKey
+from pdserve_router.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ undisturbed worker would have sent."""
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.worker.protocol import TokenEvent
+from pdserve.text.detokenizer import IncrementalDetokenizer
+from pdserve.wire.protocol import TokenEvent
+from pdserve.wire.sampling import SamplingParams
 
 DetokenizerFactory = Callable[[list[int], list[str]], IncrementalDetokenizer]  # (prompt ids, stop strings)
 

@@ -7,8 +7,8 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from pdserve.engine.sampling_params import SamplingParams
-from router.errors import APIError, bad_request
+from pdserve.wire.sampling import SamplingParams
+from pdserve_router.errors import APIError, bad_request
 
 PositiveInt = Annotated[int, Meta(ge=1, le=2**31 - 1)]
 NonNegativeInt = Annotated[int, Meta(ge=0, le=2**31 - 1)]

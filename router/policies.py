@@ -11,8 +11,8 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.worker.protocol import RankLoad
-from router.prefix_index import RankKey
+from pdserve.wire.protocol import RankLoad
+from pdserve_router.prefix_index import RankKey
 
 
 @dataclass(frozen=True)

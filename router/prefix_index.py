@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.cache.block_hash import prefix_page_hashes
-from pdserve.worker.protocol import KVEventBatch
+from pdserve.wire.block_hash import prefix_page_hashes
+from pdserve.wire.protocol import KVEventBatch
 
 RankKey = tuple[str, int]  # (worker url, rank)
 

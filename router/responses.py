@@ -5,7 +5,7 @@ from typing import Any
 
 import msgspec
 
-from router.tokenizer import PromptTokenizer
+from pdserve.text.tokenizer import PromptTokenizer
 
 
 @dataclass

@@ -11,14 +11,14 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.worker.protocol import TokenEvent
-from router import openai_schema as schema
-from router.dispatch import Dispatcher, no_workers_error
-from router.errors import APIError
-from router.metrics import RouterMetrics
-from router.responses import SSE_DONE, ChoiceOutput, ResponseBuilder, sse, usage
-from router.tokenizer import PromptTokenizer
+from pdserve.text.tokenizer import PromptError, PromptTokenizer
+from pdserve.wire.protocol import TokenEvent
+from pdserve.wire.sampling import SamplingParams
+from pdserve_router import openai_schema as schema
+from pdserve_router.dispatch import Dispatcher, no_workers_error
+from pdserve_router.errors import APIError
+from pdserve_router.metrics import RouterMetrics
+from pdserve_router.responses import SSE_DONE, ChoiceOutput, ResponseBuilder, sse, usage
 
 DISCONNECT_POLL_S = 0.5
 
@@ -94,9 +94,12 @@ class Serving:
         self._check_model(request)
         schema.check_limits(request, self._max_n, self._max_tokens_limit)
         add_generation_prompt = True if request.add_generation_prompt is None else request.add_generation_prompt
-        prompt = self.tokenizer.encode_chat(
-            schema.chat_messages_of(request), add_generation_prompt, **(request.chat_template_kwargs or {})
-        )
+        try:
+            prompt = self.tokenizer.encode_chat(
+                schema.chat_messages_of(request), add_generation_prompt, **(request.chat_template_kwargs or {})
+            )
+        except PromptError as error:
+            raise schema.bad_request(str(error), param=error.param) from None
         return self._plan_choices(request, [prompt])
 
     # --- choices -> response ---------------------------------------------------------------------------------------

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from pdserve.worker.protocol import RankLoad, WorkerHealth, WorkerInfo
-from router.discovery import Discovery
-from router.metrics import RouterMetrics
-from router.prefix_index import PrefixIndex, RankKey
-from pdserve.worker.client import WorkerClient, WorkerUnavailable
+from pdserve.wire.client import WorkerClient, WorkerUnavailable
+from pdserve.wire.protocol import RankLoad, WorkerHealth, WorkerInfo
+from pdserve_router.discovery import Discovery
+from pdserve_router.metrics import RouterMetrics
+from pdserve_router.prefix_index import PrefixIndex, RankKey
 
 logger = logging.getLogger(__name__)
 

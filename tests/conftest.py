@@ -3,6 +3,7 @@
 import pytest
 
 from pdserve.model.tiny import make_tiny_model
+from tests.tiny_tokenizer import tiny_model_dir  # noqa: F401 - a fixture for text and router tests
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,11 @@ from collections import Counter
 from collections.abc import Iterable
 
 
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages that hold `num_tokens` tokens (the last one possibly partly filled)."""
+    return -(-num_tokens // page_size)
+
+
 class PageAllocator:
     """Hands out page ids; a page is free exactly when its reference count is 0.
 

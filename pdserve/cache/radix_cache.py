@@ -9,9 +9,9 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from pdserve.cache.block_hash import ROOT_HASH, page_hash
-from pdserve.cache.events import KVEvent
 from pdserve.cache.page_allocator import PageAllocator
+from pdserve.wire.block_hash import ROOT_HASH, page_hash
+from pdserve.wire.kv_events import KVEvent
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,15 @@ class RadixCache:
             new_hashes = [node.block_hash for node in new_nodes]
             self._emit(KVEvent(kind="stored", block_hashes=new_hashes, parent_hash=first_parent_hash))
         return len(new_page_ids)
+
+    def alloc_or_evict(self, num_pages: int) -> list[int] | None:
+        """`num_pages` pages from the allocator, evicting unused cached pages for them if needed; None if even that
+        leaves too few."""
+        pages = self.allocator.alloc(num_pages)
+        if pages is None:
+            self.evict(num_pages - self.allocator.num_free)
+            pages = self.allocator.alloc(num_pages)
+        return pages
 
     def evict(self, num_pages: int) -> int:
         """Free up to `num_pages` pages held only by the tree, least recently used leaves first; returns how many.
@@ -244,3 +253,27 @@ def _require(condition: object, message: str) -> None:
     # Explicit raise rather than `assert`, so the check still runs under `python -O`.
     if not condition:
         raise AssertionError(message)
+
+
+class NullPrefixCache:
+    """The prefix cache when prefix caching is off: matches nothing, keeps nothing, emits no events."""
+
+    num_cached_pages = 0
+
+    def __init__(self, allocator: PageAllocator) -> None:
+        self.allocator = allocator
+
+    def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
+        return PrefixMatch([], 0)
+
+    def insert(self, token_ids: Sequence[int], page_ids: Sequence[int]) -> int:
+        return 0
+
+    def alloc_or_evict(self, num_pages: int) -> list[int] | None:
+        return self.allocator.alloc(num_pages)
+
+    def evict(self, num_pages: int) -> int:
+        return 0
+
+    def stored_blocks(self) -> list[tuple[int, int]]:
+        return []

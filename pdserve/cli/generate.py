@@ -4,7 +4,7 @@ import argparse
 import os
 from pathlib import Path
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.wire.sampling import SamplingParams
 
 DEFAULT_PROMPTS = ["The quick brown fox", "Once upon a time", "A model that serves itself"]
 

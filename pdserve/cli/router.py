@@ -4,7 +4,7 @@ import argparse
 
 
 def add_router_parser(subparsers: argparse._SubParsersAction) -> None:
-    from router.config import add_router_arguments
+    from pdserve_router.config import add_router_arguments
 
     parser = subparsers.add_parser("router", help="run the OpenAI-compatible router")
     add_router_arguments(parser)
@@ -14,9 +14,9 @@ def add_router_parser(subparsers: argparse._SubParsersAction) -> None:
 def main_router(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from pdserve.slow_clients import SlowClientLimits, bounded_h11
-    from router.app import build_router_app
-    from router.config import router_config_from_args
+    from pdserve.http.slow_clients import SlowClientLimits, bounded_h11
+    from pdserve_router.app import build_router_app
+    from pdserve_router.config import router_config_from_args
 
     config = router_config_from_args(args)
     print(f"pdserve router: serving {config.model_name} on http://{config.host}:{config.port}", flush=True)

@@ -13,7 +13,7 @@ def add_worker_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main_worker(args: argparse.Namespace) -> int:
-    from pdserve.worker.serve import run_worker
+    from pdserve.worker.process import run_worker
 
     run_worker(worker_config_from_args(args, args.model or str(default_model_dir())))
     return 0

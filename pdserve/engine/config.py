@@ -9,8 +9,8 @@ class EngineConfig:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
     device: str = "auto"  # auto: cuda if available, else cpu
     page_size: int = 16
-    num_pages: int | None = None  # None: from kv_cache_memory_gb (CPU) or gpu_memory_fraction (GPU)
-    kv_cache_memory_gb: float = 1.0
+    num_pages: int | None = None  # None: from kv_cache_memory_gib (CPU) or gpu_memory_fraction (GPU)
+    kv_cache_memory_gib: float = 1.0
     gpu_memory_fraction: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048  # per-step token budget shared by decodes and prefill chunks

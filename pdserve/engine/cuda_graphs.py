@@ -17,9 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.model.deepseek import Backends, DeepseekForCausalLM
+from pdserve.cache.page_allocator import pages_for
+from pdserve.model.deepseek import DeepseekForCausalLM
 from pdserve.ops.attention import AttentionBatch
 from pdserve.ops.attention_flashinfer import WORKSPACE_BYTES, FlashInferMLA, FlashInferMLAGraphSlot
+from pdserve.ops.select import Backends
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +50,7 @@ def decode_graph_config(enabled: bool, model: DeepseekForCausalLM, max_num_seqs:
         if next(model.parameters()).device.type == "cuda":
             log.info("decode runs eagerly: CUDA graphs need the flashinfer attention backend (bfloat16)")
         return None
-    return DecodeGraphConfig(capture_sizes(max_num_seqs), -(-max_model_len // page_size))
+    return DecodeGraphConfig(capture_sizes(max_num_seqs), pages_for(max_model_len, page_size))
 
 
 @dataclass
@@ -149,10 +151,10 @@ class DecodeGraphs:
         """Plan the other capture for the same sequences one token longer, while the GPU runs this step. A page the
         longer sequence will need but does not own yet is a placeholder until run() copies the real ids in."""
         next_lens = [n + 1 for n in kv_lens]
-        if -(-max(next_lens) // self.page_size) > self.max_pages_per_seq:  # past the longest sequence captured for
+        if pages_for(max(next_lens), self.page_size) > self.max_pages_per_seq:  # past the longest sequence captured for
             self._planned_ahead = None
             return
-        next_pages = [pages if -(-n // self.page_size) <= len(pages) else pages + [self.scratch_page]
+        next_pages = [pages if pages_for(n, self.page_size) <= len(pages) else pages + [self.scratch_page]
                       for pages, n in zip(page_ids, next_lens)]
         padded_lens = next_lens + [1] * pad
         index = self._free_index(size)

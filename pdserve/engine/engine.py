@@ -6,24 +6,23 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pdserve.cache.events import KVEvent
-from pdserve.cache.page_allocator import PageAllocator
-from pdserve.cache.radix_cache import RadixCache
+from pdserve.cache.page_allocator import PageAllocator, pages_for
+from pdserve.cache.radix_cache import NullPrefixCache, RadixCache
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cuda_graphs import decode_graph_config
-from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import sample
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.model.config import ModelConfig
-from pdserve.model.deepseek import ExpertRange
 from pdserve.model.loader import build_model, load_model
 from pdserve.model.random_init import init_random_weights
-from pdserve.model.tokenizer import load_prompt_encoder
-from pdserve.ops.moe import MoEBackend
+from pdserve.ops.moe import ExpertRange, MoEBackend
 from pdserve.ops.select import select_backends
+from pdserve.text.detokenizer import IncrementalDetokenizer
+from pdserve.text.tokenizer import PromptTokenizer, has_tokenizer
+from pdserve.wire.kv_events import KVEvent
+from pdserve.wire.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -99,12 +98,13 @@ class Engine:
         graphs = decode_graph_config(use_graphs, model, cfg.max_num_seqs, self.max_model_len, cfg.page_size)
         self.runner = ModelRunner(model, num_pages, cfg.page_size, self.device, self.dtype, graphs)
         self.allocator = PageAllocator(num_pages)
-        self.prefix_cache = RadixCache(self.allocator, cfg.page_size, on_kv_events) if cfg.enable_prefix_cache else None
+        self.prefix_cache = (RadixCache(self.allocator, cfg.page_size, on_kv_events) if cfg.enable_prefix_cache
+                             else NullPrefixCache(self.allocator))
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.page_size, cfg.max_num_seqs, cfg.max_num_batched_tokens), self.allocator,
             self.prefix_cache,
         )
-        self.prompt_encoder = load_prompt_encoder(cfg.model, self.model_config.bos_token_id)
+        self.tokenizer = PromptTokenizer(cfg.model) if has_tokenizer(cfg.model) else None
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._seed_source = torch.Generator().manual_seed(cfg.seed)
@@ -121,7 +121,7 @@ class Engine:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - (1 - self.cfg.gpu_memory_fraction) * total
         else:
-            budget = self.cfg.kv_cache_memory_gb * 2**30
+            budget = self.cfg.kv_cache_memory_gib * 2**30
         return max(2, int(budget // page_bytes))
 
     # --- requests -------------------------------------------------------------------------------------------
@@ -143,21 +143,19 @@ class Engine:
                 f"prompt has {len(prompt_token_ids)} tokens; the context is {self.max_model_len}, leaving no room to generate"
             )
         longest = min(len(prompt_token_ids) + sampling.max_tokens, self.max_model_len)
-        if -(-longest // self.cfg.page_size) > self.allocator.num_pages:
+        if pages_for(longest, self.cfg.page_size) > self.allocator.num_pages:
             raise InvalidRequestError(
                 f"request may reach {longest} tokens, more than the KV pool holds "
                 f"({self.allocator.num_pages} pages of {self.cfg.page_size}); lower max_tokens"
             )
-        if sampling.stop and self.prompt_encoder is None:
+        if sampling.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer.json in the model directory")
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
         generator = torch.Generator(device=self.device).manual_seed(seed)
         request = Request(request_id, list(prompt_token_ids), sampling, generator)
         self.requests[request_id] = request
-        if self.prompt_encoder is not None:
-            self.detokenizers[request_id] = IncrementalDetokenizer(
-                self.prompt_encoder.tokenizer, request.prompt_token_ids, sampling.stop
-            )
+        if self.tokenizer is not None:
+            self.detokenizers[request_id] = self.tokenizer.detokenizer(request.prompt_token_ids, sampling.stop)
         return request
 
     # --- disaggregation: a prefill rank keeps a finished prompt's pages for the transfer; a decode rank
@@ -177,11 +175,8 @@ class Engine:
     def reserve(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> Request:
         """Pages for the whole prompt, to be written by a prefill rank; raises NoCapacityError if the pool is full."""
         request = self._new_request(request_id, prompt_token_ids, sampling)
-        num_pages = -(-len(prompt_token_ids) // self.cfg.page_size)
-        pages = self.allocator.alloc(num_pages)
-        if pages is None and self.prefix_cache is not None:
-            self.prefix_cache.evict(num_pages - self.allocator.num_free)
-            pages = self.allocator.alloc(num_pages)
+        num_pages = pages_for(len(prompt_token_ids), self.cfg.page_size)
+        pages = self.prefix_cache.alloc_or_evict(num_pages)
         if pages is None:
             self._forget(request)
             raise NoCapacityError(f"no room for {num_pages} pages ({self.allocator.num_free} free)")
@@ -213,7 +208,7 @@ class Engine:
             waiting=len(self.scheduler.waiting),
             free_pages=self.allocator.num_free,
             total_pages=self.allocator.num_pages,
-            prefix_cache_pages=self.prefix_cache.num_cached_pages if self.prefix_cache else 0,
+            prefix_cache_pages=self.prefix_cache.num_cached_pages,
             prefix_queries_tokens=self._prefix_queries_tokens,
             prefix_hits_tokens=self._prefix_hits_tokens,
             prompt_tokens=self._prompt_tokens,

@@ -8,7 +8,7 @@ from tqdm import tqdm
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine, InvalidRequestError
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.wire.sampling import SamplingParams
 
 
 @dataclass
@@ -38,9 +38,9 @@ class LLM:
         if (prompts is None) == (prompt_token_ids is None):
             raise InvalidRequestError("give exactly one of prompts or prompt_token_ids")
         if prompts is not None:
-            if self.engine.prompt_encoder is None:
+            if self.engine.tokenizer is None:
                 raise InvalidRequestError("text prompts need a tokenizer.json in the model directory")
-            prompt_token_ids = [self.engine.prompt_encoder.encode(p) for p in prompts]
+            prompt_token_ids = [self.engine.tokenizer.encode(p) for p in prompts]
         assert prompt_token_ids is not None
         sampling = sampling or SamplingParams()
         sampling_list = sampling if isinstance(sampling, list) else [replace(sampling) for _ in prompt_token_ids]

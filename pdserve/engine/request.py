@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.wire.sampling import SamplingParams
 
 
 class RequestStatus(enum.Enum):

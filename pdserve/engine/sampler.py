@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.wire.sampling import SamplingParams
 
 
 @dataclass

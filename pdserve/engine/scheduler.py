@@ -9,8 +9,8 @@ The scheduler never touches tensors.
 from collections import deque
 from dataclasses import dataclass
 
-from pdserve.cache.page_allocator import PageAllocator
-from pdserve.cache.radix_cache import RadixCache
+from pdserve.cache.page_allocator import PageAllocator, pages_for
+from pdserve.cache.radix_cache import NullPrefixCache, RadixCache
 from pdserve.engine.request import Request, RequestStatus
 
 
@@ -33,7 +33,7 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, allocator: PageAllocator, prefix_cache: RadixCache | None):
+    def __init__(self, cfg: SchedulerConfig, allocator: PageAllocator, prefix_cache: RadixCache | NullPrefixCache):
         self.cfg = cfg
         self.allocator = allocator
         self.prefix_cache = prefix_cache
@@ -111,7 +111,7 @@ class Scheduler:
         self._release_pages(request)
 
     def _match_prefix(self, request: Request) -> None:
-        if self.prefix_cache is None or request.page_ids:
+        if request.page_ids:
             return
         match = self.prefix_cache.match_prefix(request.all_token_ids[:-1])  # at least one token is computed
         request.page_ids = list(match.page_ids)
@@ -122,13 +122,10 @@ class Scheduler:
     def _grow(self, request: Request, num_new_tokens: int) -> bool:
         """Give the request enough pages for num_new_tokens more tokens; False if the pool cannot."""
         page_size = self.cfg.page_size
-        needed = -(-(request.num_computed_tokens + num_new_tokens) // page_size) - len(request.page_ids)
+        needed = pages_for(request.num_computed_tokens + num_new_tokens, page_size) - len(request.page_ids)
         if needed <= 0:
             return True
-        pages = self.allocator.alloc(needed)
-        if pages is None and self.prefix_cache is not None:
-            self.prefix_cache.evict(needed - self.allocator.num_free)
-            pages = self.allocator.alloc(needed)
+        pages = self.prefix_cache.alloc_or_evict(needed)
         if pages is None:
             return False
         request.page_ids.extend(pages)
@@ -143,7 +140,7 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _cache_pages(self, request: Request) -> None:
-        if self.prefix_cache is not None and request.num_computed_tokens >= self.cfg.page_size:
+        if request.num_computed_tokens >= self.cfg.page_size:
             self.prefix_cache.insert(request.all_token_ids[: request.num_computed_tokens], request.page_ids)
 
     def _release_pages(self, request: Request) -> None:

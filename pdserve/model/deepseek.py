@@ -4,8 +4,6 @@ Parameter names follow the Hugging Face checkpoints, except routed experts, whic
 (`mlp.experts.w13` = gate and up, `mlp.experts.w2` = down) and hold only this rank's experts.
 """
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,21 +11,8 @@ from torch import nn
 from pdserve.model.config import ModelConfig
 from pdserve.model.rope import RotaryEmbedding
 from pdserve.ops.attention import AttentionBackend, AttentionBatch, gather_kv, write_kv
-from pdserve.ops.moe import MoEBackend
-
-
-@dataclass(frozen=True)
-class Backends:
-    attention: AttentionBackend
-    moe: MoEBackend
-
-
-@dataclass(frozen=True)
-class ExpertRange:
-    """The routed experts this rank holds: [first, first + count)."""
-
-    first: int
-    count: int
+from pdserve.ops.moe import ExpertRange, MoEBackend
+from pdserve.ops.select import Backends
 
 
 class RMSNorm(nn.Module):

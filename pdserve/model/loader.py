@@ -12,7 +12,9 @@ from tqdm import tqdm
 
 from pdserve.model.block_fp8 import dequantize_block_fp8
 from pdserve.model.config import ModelConfig
-from pdserve.model.deepseek import Backends, DeepseekForCausalLM, ExpertRange
+from pdserve.model.deepseek import DeepseekForCausalLM
+from pdserve.ops.moe import ExpertRange
+from pdserve.ops.select import Backends
 
 EXPERT_TENSOR = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 FUSED_EXPERT_TENSOR = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")

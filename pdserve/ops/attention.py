@@ -14,6 +14,8 @@ from typing import Protocol
 
 import torch
 
+from pdserve.cache.page_allocator import pages_for
+
 
 @dataclass
 class AttentionBatch:
@@ -89,7 +91,7 @@ class TorchAttention:
         out = torch.empty_like(q_latent)
         start = 0
         for i, (n_q, n_kv) in enumerate(zip(batch.query_lens, batch.kv_lens)):
-            num_pages = -(-n_kv // batch.page_size)
+            num_pages = pages_for(n_kv, batch.page_size)
             kv = kv_cache[batch.page_table[i, :num_pages]].reshape(-1, kv_cache.shape[-1])[:n_kv].float()
             q_lat = q_latent[start : start + n_q].float()
             q_rope = q_pe[start : start + n_q].float()

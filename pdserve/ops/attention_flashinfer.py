@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 import torch
 
+from pdserve.cache.page_allocator import pages_for
 from pdserve.ops.attention import AttentionBatch, write_kv
 
 PLAN_KEY = "flashinfer_mla"
@@ -64,7 +65,7 @@ class FlashInferMLA:
     def _plan(self, q_latent, q_pe, kv_cache, batch: AttentionBatch, softmax_scale: float) -> None:
         from flashinfer.mla import MLAPlanMetadata
 
-        pages_per_seq = [-(-n // batch.page_size) for n in batch.kv_lens]
+        pages_per_seq = [pages_for(n, batch.page_size) for n in batch.kv_lens]
         max_pages = batch.page_table.shape[1]
         # Flat page ids of every sequence, gathered on the device from host-known positions (no device->host sync).
         flat_positions = (seq * max_pages + p for seq, n in enumerate(pages_per_seq) for p in range(n))
@@ -134,7 +135,7 @@ class FlashInferMLAGraphSlot:
         """kv_lens/page_ids of exactly `batch_size` sequences (padding rows included)."""
         from flashinfer.mla import MLAPlanMetadata
 
-        pages_per_seq = [-(-n // self.page_size) for n in kv_lens]
+        pages_per_seq = [pages_for(n, self.page_size) for n in kv_lens]
         metadata = MLAPlanMetadata.csr(
             qo_indptr=self._qo_indptr,
             kv_indptr=_indptr(pages_per_seq),
@@ -146,7 +147,7 @@ class FlashInferMLAGraphSlot:
     def copy_page_ids(self, kv_lens: list[int], page_ids: list[list[int]]) -> None:
         """New page ids for the lengths the wrapper is planned for: the plan splits work by length only, and the
         kernels read the page ids from this buffer."""
-        flat = self._flat_page_ids(page_ids, [-(-n // self.page_size) for n in kv_lens])
+        flat = self._flat_page_ids(page_ids, [pages_for(n, self.page_size) for n in kv_lens])
         self._kv_indices[: flat.numel()].copy_(flat, non_blocking=True)
 
     @staticmethod

@@ -1,9 +1,18 @@
 """Routed-expert computation behind one seam: the torch reference here, grouped GEMM and expert parallelism elsewhere."""
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ExpertRange:
+    """The routed experts a rank holds: [first, first + count)."""
+
+    first: int
+    count: int
 
 
 class MoEBackend(Protocol):

@@ -1,12 +1,21 @@
 """Picks the attention and MoE backends for a device: GPU kernels on CUDA when present, torch references otherwise."""
 
 import importlib.util
+from dataclasses import dataclass
 
 import torch
 
-from pdserve.model.deepseek import Backends
 from pdserve.ops.attention import AttentionBackend, TorchAttention
 from pdserve.ops.moe import MoEBackend, TorchMoE
+
+
+@dataclass(frozen=True)
+class Backends:
+    """The kernels a model runs on: one attention and one MoE backend."""
+
+    attention: AttentionBackend
+    moe: MoEBackend
+
 
 GPU_KERNEL_DTYPES = (torch.bfloat16,)  # flashinfer MLA and torch._grouped_mm run in bf16, not float32
 

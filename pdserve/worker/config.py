@@ -4,7 +4,7 @@ import argparse
 from dataclasses import dataclass
 
 from pdserve.engine.config import EngineConfig
-from pdserve.worker.protocol import Role
+from pdserve.wire.protocol import Role
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--num-pages", type=int, help="KV pages per rank (default: from memory settings)")
-    parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="KV pool per rank on the CPU")
+    parser.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="KV pool per rank on the CPU")
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.9)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -65,7 +65,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
 def worker_config_from_args(args: argparse.Namespace, model_dir: str) -> WorkerConfig:
     engine = EngineConfig(
         model=model_dir, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
-        kv_cache_memory_gb=args.kv_cache_memory_gb, gpu_memory_fraction=args.gpu_memory_fraction,
+        kv_cache_memory_gib=args.kv_cache_memory_gib, gpu_memory_fraction=args.gpu_memory_fraction,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache, progress=False,
         load_format=args.load_format, seed=args.seed,

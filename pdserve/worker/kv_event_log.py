@@ -3,8 +3,8 @@
 from collections import deque
 from collections.abc import Callable
 
-from pdserve.cache.events import KVEvent
-from pdserve.worker.protocol import KVEventBatch
+from pdserve.wire.kv_events import KVEvent
+from pdserve.wire.protocol import KVEventBatch
 
 KV_EVENT_HISTORY = 4096  # batches kept for subscribers that fall behind; older gaps get a full dump
 

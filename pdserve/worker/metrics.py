@@ -3,7 +3,7 @@
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from pdserve.worker.rank import RankCounters
+from pdserve.worker.rank_runtime import RankCounters
 
 LABELS = ["model", "role", "rank"]
 TRANSFER_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

@@ -3,10 +3,10 @@ from collections import Counter
 
 import pytest
 
-from pdserve.cache.block_hash import ROOT_HASH, prefix_page_hashes
-from pdserve.cache.events import KVEvent
 from pdserve.cache.page_allocator import PageAllocator
 from pdserve.cache.radix_cache import RadixCache
+from pdserve.wire.block_hash import ROOT_HASH, prefix_page_hashes
+from pdserve.wire.kv_events import KVEvent
 
 PAGE_SIZE = 4
 

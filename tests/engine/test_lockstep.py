@@ -3,18 +3,17 @@
 import pytest
 import torch
 import torch.distributed as dist
+from spawned_ranks import run_spawned_ranks
 
 from pdserve.cluster.local import free_port
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.llm import LLM
 from pdserve.engine.lockstep import Lockstep
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.config import ModelConfig
-from pdserve.model.deepseek import ExpertRange
+from pdserve.ops.moe import ExpertRange
 from pdserve.ops.moe_ep import ExpertParallelMoE, expert_owner_range
-
-from spawned_ranks import run_spawned_ranks
+from pdserve.wire.sampling import SamplingParams
 
 SAMPLING = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pdserve.engine.sampler import filtered_probs, sample
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.wire.sampling import SamplingParams
 
 VOCAB = 50
 

@@ -12,14 +12,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from pdserve.cluster.local import free_port
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.worker.client import WorkerClient
-from pdserve.worker.protocol import GenerateRequest, TokenEvent
-
 from load import rank_actor_pids_of
 from probes import health_status, wait_for
+
+from pdserve.cluster.local import free_port
+from pdserve.wire.client import WorkerClient
+from pdserve.wire.protocol import GenerateRequest, TokenEvent
+from pdserve.wire.sampling import SamplingParams
 
 START_TIMEOUT_S = 120.0
 REQUEST_TIMEOUT_S = 60.0

@@ -16,10 +16,10 @@ import httpx
 import pytest
 
 from pdserve.cluster.local import free_port
-from router.admission import authenticate
-from router.app import build_router_app
-from router.config import RouterConfig
-from router.errors import APIError
+from pdserve_router.admission import authenticate
+from pdserve_router.app import build_router_app
+from pdserve_router.config import RouterConfig
+from pdserve_router.errors import APIError
 
 API_KEY = "sk-pdserve-0123456789abcdef"
 START_TIMEOUT_S = 60.0

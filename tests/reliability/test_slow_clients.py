@@ -2,7 +2,7 @@
 a 408 and its connection closed within the read bound; a client that stops reading a stream is cut after the send
 bound and its request aborted on the worker; a client that closes while not reading frees its worker at once.
 Meanwhile normal requests are served, nothing answers a 5xx, no process logs a traceback, and the cluster serves
-normally afterwards. `pd_cluster` runs with 3 s bounds (tests/conftest.py); pdserve/slow_clients.py holds them."""
+normally afterwards. `pd_cluster` runs with 3 s bounds (tests/conftest.py); pdserve/http/slow_clients.py holds them."""
 
 import concurrent.futures
 import json
@@ -14,7 +14,6 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-
 from probes import eventually
 from stream_calls import model_of, pages_at_rest, running
 

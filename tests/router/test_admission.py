@@ -1,7 +1,7 @@
 import pytest
 
-from router.admission import Admission, authenticate
-from router.errors import APIError
+from pdserve_router.admission import Admission, authenticate
+from pdserve_router.errors import APIError
 
 KEYS = frozenset({"sk-alpha", "sk-beta"})
 

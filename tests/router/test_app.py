@@ -10,8 +10,8 @@ import openai
 import pytest
 import uvicorn
 
-from router.app import build_router_app
-from router.config import RouterConfig
+from pdserve_router.app import build_router_app
+from pdserve_router.config import RouterConfig
 
 API_KEY = "sk-test-123"
 MAX_MODEL_LEN = 64

@@ -2,7 +2,7 @@ import argparse
 
 import pytest
 
-from router.config import RouterConfig, add_router_arguments, router_config_from_args
+from pdserve_router.config import RouterConfig, add_router_arguments, router_config_from_args
 
 
 def parse(argv: list[str]) -> RouterConfig:

@@ -1,12 +1,12 @@
 """Route choice for disaggregated and `both` workers, on a plain stub of the worker pool's snapshots."""
 
-from pdserve.cache.block_hash import prefix_page_hashes
-from pdserve.cache.events import KVEvent
-from pdserve.worker.protocol import KVEventBatch, Plan, PrefillSource, RankLoad
-from router.dispatch import Dispatcher
-from router.metrics import RouterMetrics
-from router.policies import LocalPrefillRule, make_policy
-from router.prefix_index import PrefixIndex
+from pdserve.wire.block_hash import prefix_page_hashes
+from pdserve.wire.kv_events import KVEvent
+from pdserve.wire.protocol import KVEventBatch, Plan, PrefillSource, RankLoad
+from pdserve_router.dispatch import Dispatcher
+from pdserve_router.metrics import RouterMetrics
+from pdserve_router.policies import LocalPrefillRule, make_policy
+from pdserve_router.prefix_index import PrefixIndex
 
 
 class StubPool:

@@ -3,11 +3,11 @@ text one undisturbed worker would have streamed (multi-byte characters and stop 
 
 import pytest
 
-from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.worker.protocol import TokenEvent
-from router.migration import Continuation
-from router.tokenizer import PromptTokenizer
+from pdserve.text.detokenizer import IncrementalDetokenizer
+from pdserve.text.tokenizer import PromptTokenizer
+from pdserve.wire.protocol import TokenEvent
+from pdserve.wire.sampling import SamplingParams
+from pdserve_router.migration import Continuation
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@
 
 import pytest
 
-from pdserve.worker.protocol import RankLoad
-from router.policies import RoutingRequest, choose_decode, make_policy, normalized_loads
+from pdserve.wire.protocol import RankLoad
+from pdserve_router.policies import RoutingRequest, choose_decode, make_policy, normalized_loads
 
 A, B = ("http://a", 0), ("http://b", 0)
 

@@ -1,7 +1,7 @@
 """The prefix policy on plain stub snapshots."""
 
-from pdserve.worker.protocol import RankLoad
-from router.policies import RoutingRequest, make_policy, route_prefix
+from pdserve.wire.protocol import RankLoad
+from pdserve_router.policies import RoutingRequest, make_policy, route_prefix
 
 A, B, C = ("http://a", 0), ("http://b", 0), ("http://b", 1)
 

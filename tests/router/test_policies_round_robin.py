@@ -1,7 +1,7 @@
 """The round-robin policy on plain stub snapshots."""
 
-from pdserve.worker.protocol import RankLoad
-from router.policies import RoutingRequest, make_policy
+from pdserve.wire.protocol import RankLoad
+from pdserve_router.policies import RoutingRequest, make_policy
 
 RANKS = [("http://a", 0), ("http://a", 1), ("http://b", 0)]
 

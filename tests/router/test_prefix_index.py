@@ -1,7 +1,7 @@
-from pdserve.cache.block_hash import prefix_page_hashes
-from pdserve.cache.events import KVEvent
-from pdserve.worker.protocol import KVEventBatch
-from router.prefix_index import PrefixIndex
+from pdserve.wire.block_hash import prefix_page_hashes
+from pdserve.wire.kv_events import KVEvent
+from pdserve.wire.protocol import KVEventBatch
+from pdserve_router.prefix_index import PrefixIndex
 
 PAGE = 4
 RANK = ("http://w", 0)

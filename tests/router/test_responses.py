@@ -5,7 +5,7 @@ import json
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from router.responses import ChoiceOutput, ResponseBuilder, usage
+from pdserve_router.responses import ChoiceOutput, ResponseBuilder, usage
 
 
 def builder(tokenizer, kind, logprobs=False, token_ids=False) -> ResponseBuilder:
@@ -26,7 +26,7 @@ def test_usage_counts_a_shared_prompt_once_and_reports_cached_tokens():
 
 
 def test_whole_completion_parses_as_sdk_completion_with_token_ids(tiny_model_dir):
-    from router.tokenizer import PromptTokenizer
+    from pdserve.text.tokenizer import PromptTokenizer
 
     body = builder(PromptTokenizer(str(tiny_model_dir)), "completion", logprobs=True, token_ids=True).whole(outputs(), usage(outputs(), 2))
     parsed = Completion.model_validate(body)
@@ -37,7 +37,7 @@ def test_whole_completion_parses_as_sdk_completion_with_token_ids(tiny_model_dir
 
 
 def test_whole_chat_and_chunks_parse_as_sdk_types(tiny_model_dir):
-    from router.tokenizer import PromptTokenizer
+    from pdserve.text.tokenizer import PromptTokenizer
 
     chat = builder(PromptTokenizer(str(tiny_model_dir)), "chat", logprobs=True)
     parsed = ChatCompletion.model_validate(chat.whole(outputs(), usage(outputs(), 2)))

@@ -7,12 +7,11 @@ import threading
 import time
 
 import pytest
+from worker_calls import TIMEOUT_S, disaggregated, generate, pages_at_rest, token_ids
 
 from pdserve import SamplingParams
 from pdserve.cluster.local import ClusterConfig, LocalCluster
-from pdserve.worker.protocol import Plan
-
-from worker_calls import TIMEOUT_S, disaggregated, generate, pages_at_rest, token_ids
+from pdserve.wire.protocol import Plan
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)

@@ -11,14 +11,13 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from probes import health_status, wait_for
 
 from pdserve.cluster.local import free_port
 from pdserve.engine.llm import LLM
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.worker.client import WorkerClient
-from pdserve.worker.protocol import GenerateRequest, TokenEvent
-
-from probes import health_status, wait_for
+from pdserve.wire.client import WorkerClient
+from pdserve.wire.protocol import GenerateRequest, TokenEvent
+from pdserve.wire.sampling import SamplingParams
 
 SAMPLING = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 PROMPTS = {0: [[5, 17, 42, 9, 100, 3], [77, 8, 8, 61]], 1: [[12, 13, 14, 15, 16, 17, 18, 19, 20]]}

@@ -1,4 +1,4 @@
-from pdserve.cache.events import KVEvent
+from pdserve.wire.kv_events import KVEvent
 from pdserve.worker.kv_event_log import KVEventLog
 
 

@@ -5,9 +5,9 @@ import itertools
 
 import httpx
 
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.worker.client import WorkerClient
-from pdserve.worker.protocol import GenerateRequest, LoadReport, Plan, PrefillSource, TokenEvent
+from pdserve.wire.client import WorkerClient
+from pdserve.wire.protocol import GenerateRequest, LoadReport, Plan, PrefillSource, TokenEvent
+from pdserve.wire.sampling import SamplingParams
 
 _ids = itertools.count()
 TIMEOUT_S = 120.0

@@ -1,5 +1,5 @@
 """A tiny tokenizer directory (tokenizer.json trained here with `tokenizers`, tokenizer_config.json with a chat
-template) so router tests need no downloaded model."""
+template) so text and router tests need no downloaded model. The fixture is registered in tests/conftest.py."""
 
 import json
 

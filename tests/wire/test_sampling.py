@@ -1,6 +1,6 @@
 import pytest
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.wire.sampling import SamplingParams
 
 
 @pytest.mark.parametrize("bad", [{"max_tokens": 0}, {"top_p": 0.0}, {"top_k": 0}, {"temperature": -1.0}, {"min_p": 2.0}])

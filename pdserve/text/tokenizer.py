@@ -1,5 +1,9 @@
-"""Prompt tokenization in the router (so prefixes are matched on token ids): tokenizer.json through `tokenizers`,
-chat messages rendered with the model's Jinja chat template the way Hugging Face renders it."""
+"""A model's tokenizer for prompts, used by the router (so prefixes are matched on token ids) and the offline `LLM`:
+tokenizer.json through `tokenizers`, chat messages rendered with the model's Jinja chat template the way Hugging Face
+renders it.
+
+One BOS rule everywhere: a text prompt gets what tokenizer.json's post-processor adds (Hugging Face's
+`add_special_tokens=True`); a rendered chat gets none, since the template writes any BOS itself."""
 
 import json
 from datetime import datetime
@@ -10,17 +14,23 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from pdserve.engine.detokenizer import IncrementalDetokenizer
-
-from router.errors import bad_request
+from pdserve.text.detokenizer import IncrementalDetokenizer
 
 
-class ChatTemplateError(Exception):
+class PromptError(ValueError):
+    """The messages cannot be rendered for this model; `param` names the request field at fault."""
+
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class _TemplateRaised(Exception):
     """Raised by a template's raise_exception(): the messages are not acceptable to this model."""
 
 
 def _raise_exception(message: str) -> None:
-    raise ChatTemplateError(message)
+    raise _TemplateRaised(message)
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
@@ -35,8 +45,12 @@ def _special_token_text(value: Any) -> str | None:
     return value
 
 
+def has_tokenizer(model_dir: str | Path) -> bool:
+    return (Path(model_dir) / "tokenizer.json").is_file()
+
+
 class PromptTokenizer:
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str | Path) -> None:
         directory = Path(model_dir)
         self.tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
         # Token ids a prompt may hold: the model's embedding rows when config.json is there (often more than the
@@ -75,7 +89,7 @@ class PromptTokenizer:
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
         if self._compiled is None:
-            raise bad_request("this model has no chat template; use /v1/completions", param="messages")
+            raise PromptError("this model has no chat template; use /v1/completions")
         try:
             return self._compiled.render(
                 messages=messages,
@@ -84,10 +98,10 @@ class PromptTokenizer:
                 eos_token=self.eos_token or "",
                 **template_kwargs,
             )
-        except ChatTemplateError as error:
-            raise bad_request(f"chat template rejected the messages: {error}", param="messages") from None
+        except _TemplateRaised as error:
+            raise PromptError(f"chat template rejected the messages: {error}") from None
         except (TemplateError, TypeError, ValueError, KeyError) as error:
-            raise bad_request(f"chat template failed on the messages: {error}", param="messages") from None
+            raise PromptError(f"chat template failed on the messages: {error}") from None
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
         # The template writes any BOS itself, so the tokenizer adds none (as HF's apply_chat_template does).

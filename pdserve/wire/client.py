@@ -1,4 +1,4 @@
-"""Client of a worker's internal API (pdserve/worker/protocol.py): typed msgspec JSON over httpx; used by the router and by decode workers calling prefill workers."""
+"""Client of a worker's internal API (pdserve/wire/protocol.py): typed msgspec JSON over httpx; used by the router and by decode workers calling prefill workers."""
 
 import contextlib
 from collections.abc import AsyncIterator
@@ -7,7 +7,7 @@ from typing import TypeVar
 import httpx
 import msgspec
 
-from pdserve.worker.protocol import (
+from pdserve.wire.protocol import (
     AbortRequest,
     GenerateRequest,
     KVEventBatch,

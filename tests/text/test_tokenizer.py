@@ -1,8 +1,7 @@
 import pytest
 from transformers import AutoTokenizer
 
-from router.errors import APIError
-from router.tokenizer import PromptTokenizer
+from pdserve.text.tokenizer import PromptError, PromptTokenizer
 
 MESSAGES = [
     {"role": "system", "content": "you are a helpful assistant."},
@@ -35,11 +34,11 @@ def test_completion_prompt_encoding_matches_hugging_face_with_bos(tiny_model_dir
     assert ours.encode(text)[0] == ours.tokenizer.token_to_id("<s>")
 
 
-def test_template_raise_exception_becomes_a_400_naming_messages(tiny_model_dir):
-    with pytest.raises(APIError) as caught:
+def test_template_raise_exception_is_a_prompt_error_naming_messages(tiny_model_dir):
+    with pytest.raises(PromptError) as caught:
         PromptTokenizer(str(tiny_model_dir)).render_chat([{"role": "wizard", "content": "hi"}])
-    assert caught.value.status == 400 and caught.value.param == "messages"
-    assert "unknown role wizard" in caught.value.message
+    assert caught.value.param == "messages"
+    assert "unknown role wizard" in str(caught.value)
 
 
 def test_decode_round_trips_text(tiny_model_dir):

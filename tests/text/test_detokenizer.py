@@ -3,7 +3,7 @@ import random
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.text.detokenizer import IncrementalDetokenizer
 
 CORPUS = [
     "The naïve café serves 日本語 food 🙂 every day.",

@@ -28,12 +28,11 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine, InvalidRequestError, NoCapacityError, RequestOutput
 from pdserve.engine.lockstep import Lockstep
 from pdserve.model.config import ModelConfig
-from pdserve.model.deepseek import ExpertRange
+from pdserve.ops.moe import ExpertRange
 from pdserve.ops.moe_ep import ExpertParallelMoE, expert_owner_range
 from pdserve.transfer.agent import KVTransferAgent, TransferError, TransferHandle
-from pdserve.worker.client import WorkerClient, WorkerUnavailable
-from pdserve.worker.kv_event_log import KVEventLog
-from pdserve.worker.protocol import (
+from pdserve.wire.client import WorkerClient, WorkerUnavailable
+from pdserve.wire.protocol import (
     GenerateRequest,
     KVDestination,
     KVEventBatch,
@@ -43,6 +42,7 @@ from pdserve.worker.protocol import (
     TokenEvent,
     TransferMetadata,
 )
+from pdserve.worker.kv_event_log import KVEventLog
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -386,8 +386,7 @@ class RankRuntime:
             self._loop.call_soon_threadsafe(stream.put_nowait, event)
 
     async def kv_events_after(self, after: int) -> list[KVEventBatch]:
-        cache = self.engine.prefix_cache
-        return await self._call(lambda: self.kv_events.after(after, cache.stored_blocks if cache else list))
+        return await self._call(lambda: self.kv_events.after(after, self.engine.prefix_cache.stored_blocks))
 
     # --- events ---------------------------------------------------------------------------------------------
     def _event(self, output: RequestOutput) -> TokenEvent:

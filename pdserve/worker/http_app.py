@@ -1,4 +1,4 @@
-"""The worker process's HTTP edge: the internal API (pdserve/worker/protocol.py) over the worker's rank actors."""
+"""The worker process's HTTP edge: the internal API (pdserve/wire/protocol.py) over the worker's rank actors."""
 
 import asyncio
 import contextlib
@@ -11,11 +11,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
 
-from pdserve.slow_clients import client_left
-from pdserve.worker.config import WorkerConfig
-from pdserve.worker.drain import CountedStreamingResponse, DrainGate
-from pdserve.worker.metrics import WorkerMetrics
-from pdserve.worker.protocol import (
+from pdserve.http.slow_clients import client_left
+from pdserve.wire.protocol import (
     API_VERSION,
     AbortRequest,
     GenerateRequest,
@@ -24,7 +21,10 @@ from pdserve.worker.protocol import (
     WorkerHealth,
     WorkerInfo,
 )
-from pdserve.worker.ranks import RankHandle
+from pdserve.worker.config import WorkerConfig
+from pdserve.worker.drain import CountedStreamingResponse, DrainGate
+from pdserve.worker.metrics import WorkerMetrics
+from pdserve.worker.rank_actors import RankHandle
 
 log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 10.0

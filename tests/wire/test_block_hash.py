@@ -1,4 +1,4 @@
-from pdserve.cache.block_hash import page_hash, prefix_page_hashes
+from pdserve.wire.block_hash import page_hash, prefix_page_hashes
 
 
 def test_hashes_cover_full_pages_only_and_chain():

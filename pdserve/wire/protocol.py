@@ -14,8 +14,8 @@ Endpoints (all on the worker's HTTP port; see docs/architecture.md):
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pdserve.cache.events import KVEvent
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.wire.kv_events import KVEvent
+from pdserve.wire.sampling import SamplingParams
 
 API_VERSION = 1
 

@@ -7,15 +7,15 @@ from pathlib import Path
 import ray
 import uvicorn
 
+from pdserve.http.slow_clients import SlowClientLimits, bounded_h11
 from pdserve.model.config import ModelConfig
-from pdserve.slow_clients import SlowClientLimits, bounded_h11
+from pdserve.wire.protocol import API_VERSION, WorkerInfo
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.drain import SHUTDOWN_AFTER_DRAIN_S, DrainGate, DrainingServer
-from pdserve.worker.protocol import API_VERSION, WorkerInfo
+from pdserve.worker.http_app import RankSet, build_worker_app
 from pdserve.worker.instance import ExpertParallelInstance
-from pdserve.worker.rank import RankConfig
-from pdserve.worker.ranks import RANK_START_TIMEOUT_S, connect_ray, start_ranks
-from pdserve.worker.server import RankSet, build_worker_app
+from pdserve.worker.rank_actors import RANK_START_TIMEOUT_S, connect_ray, start_ranks
+from pdserve.worker.rank_runtime import RankConfig
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.engine.engine import resolve_device
-from pdserve.worker.protocol import GenerateRequest, KVEventBatch, RankInfo, RankLoad, TokenEvent, TransferMetadata
-from pdserve.worker.rank import RankConfig, RankCounters, RankRuntime
+from pdserve.wire.protocol import GenerateRequest, KVEventBatch, RankInfo, RankLoad, TokenEvent, TransferMetadata
+from pdserve.worker.rank_runtime import RankConfig, RankCounters, RankRuntime
 
 log = logging.getLogger(__name__)
 RANK_START_TIMEOUT_S = 600.0

@@ -6,7 +6,7 @@ from typing import Literal
 
 @dataclass
 class KVEvent:
-    """`block_hashes` are chained hashes of full pages of token ids (pdserve.cache.block_hash);
+    """`block_hashes` are chained hashes of full pages of token ids (pdserve.wire.block_hash);
     a `stored` event also carries the hash of the page before its first block (ROOT_HASH at the start)."""
 
     kind: Literal["stored", "removed", "cleared"]

@@ -1,0 +1,1 @@
+"""HTTP server plumbing shared by the router and the worker."""

@@ -1,0 +1,2 @@
+"""Text handling shared by the router and the engine: prompt tokenization, chat templates, incremental
+detokenization. No torch."""
