@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from pdserve.http.internal_auth import bearer_headers
 from pdserve.http.slow_clients import client_left
 from pdserve.text.tokenizer import PromptTokenizer
 from pdserve_router import openai_schema as schema
@@ -64,7 +65,8 @@ def build_router_app(config: RouterConfig, discovery: Discovery | None = None) -
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+                                 headers=bearer_headers(config.internal_token))
         worker_discovery = discovery if discovery is not None else make_discovery(config)
         index = PrefixIndex(pending_ttl_s=config.pending_assignment_ttl_s)
         pool = WorkerPool(worker_discovery, http, index, metrics, config.health_interval_s, config.health_timeout_s,
@@ -159,6 +161,13 @@ def build_router_app(config: RouterConfig, discovery: Discovery | None = None) -
             "status": "ok",
             "workers": {w.url: ("ok" if w.routable else (w.health.status if w.admitted and w.health else "ejected")) for w in workers},
         }
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """Readiness (Kubernetes sends traffic only to a ready router): a prefill path to a decode rank, or a
+        colocated worker, is routable now. /health stays liveness: a router with no workers is alive."""
+        routable = parts.serving is not None and parts.serving.dispatcher.can_serve()
+        return JSONResponse({"status": "ready" if routable else "no routable worker"}, 200 if routable else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

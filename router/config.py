@@ -1,9 +1,12 @@
 """The router's configuration: one frozen dataclass built once from CLI flags (or by tests) and passed down."""
 
 import argparse
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+
+from pdserve.http.internal_auth import internal_token_from
 
 RoutingPolicy = Literal["prefix", "round_robin", "least_load"]
 DiscoveryKind = Literal["static", "k8s"]
@@ -48,6 +51,9 @@ class RouterConfig:
     # response the client stops taking is cut after this long.
     request_read_timeout_s: float = 30.0
     send_stall_timeout_s: float = 60.0
+    drain_timeout_s: float = 30.0  # on SIGTERM: streams in flight get this long to finish
+    # The deployment's shared secret for the workers' internal API (pdserve/http/internal_auth.py).
+    internal_token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         checks = [
@@ -104,6 +110,11 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a request's head and body must arrive within this of its first byte, else 408")
     parser.add_argument("--send-stall-timeout-s", type=float, default=60.0,
                         help="a response the client stops reading for this long is cut")
+    parser.add_argument("--drain-timeout-s", type=float, default=30.0,
+                        help="on SIGTERM, streams in flight get this long to finish before the router exits")
+    parser.add_argument("--internal-token-file", default="",
+                        help="file holding the workers' internal-API credential (default: $PDSERVE_INTERNAL_TOKEN, "
+                             "else a per-user file shared with workers started on this machine)")
 
 
 def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -125,4 +136,6 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         api_keys=read_api_keys(args.api_keys_file) if args.api_keys_file else frozenset(),
         request_read_timeout_s=args.request_read_timeout_s,
         send_stall_timeout_s=args.send_stall_timeout_s,
+        drain_timeout_s=args.drain_timeout_s,
+        internal_token=internal_token_from(args.internal_token_file, os.environ),
     )

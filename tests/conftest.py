@@ -1,8 +1,16 @@
 """Shared fixtures: tiny random checkpoints that pdserve generates itself (no downloads)."""
 
+import os
+import secrets
+
 import pytest
 
+from pdserve.http.internal_auth import TOKEN_ENV
 from pdserve.model.tiny import make_tiny_model
+
+# One internal-API credential for the whole run: every cluster a test starts hands it to its processes, and tests
+# that call a worker's internal API directly send it (tests/probes.py: internal_headers). Set before anything starts.
+os.environ.setdefault(TOKEN_ENV, secrets.token_urlsafe(32))
 from tests.tiny_tokenizer import tiny_model_dir  # noqa: F401 - a fixture for text and router tests
 
 

@@ -1,9 +1,17 @@
 """Bounded waits on live processes, shared by the tests of every folder (tests/ is on sys.path via its conftest)."""
 
+import os
 import time
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.http.internal_auth import TOKEN_ENV, bearer_headers
+
+
+def internal_headers() -> dict[str, str]:
+    """The credential of this test run's clusters (tests/conftest.py sets it), for direct internal-API calls."""
+    return bearer_headers(os.environ[TOKEN_ENV])
 
 
 def eventually(check, timeout_s: float = 30.0, interval_s: float = 0.1) -> bool:

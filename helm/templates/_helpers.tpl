@@ -119,12 +119,80 @@ prometheus.io/port: {{ .port | quote }}
     - {name: MODEL_FILES, value: {{ .files | quote }}}
     - {name: MODEL_DIR, value: {{ .root.Values.model.mountPath | quote }}}
     - {name: HOME, value: /tmp}
+    - {name: PIP_CACHE_DIR, value: /tmp/pip}
     {{- if $d.tokenSecret }}
     - name: HF_TOKEN
       valueFrom:
         secretKeyRef: {name: {{ $d.tokenSecret }}, key: HF_TOKEN}
     {{- end }}
+  securityContext:
+    {{- include "pdserve.containerSecurityContext" dict | nindent 4 }}
   volumeMounts:
     - name: model
       mountPath: {{ .root.Values.model.mountPath }}
+    - name: tmp
+      mountPath: /tmp
+{{- end }}
+
+{{/* Writable scratch space beside the read-only root: /tmp (Ray's session files, pip in the model fetcher) and the
+     kernel caches (flashinfer, triton, torch inductor compile there on first use). */}}
+{{- define "pdserve.scratchVolumes" -}}
+- name: tmp
+  emptyDir: {}
+- name: cache
+  emptyDir: {}
+{{- end }}
+
+{{- define "pdserve.scratchVolumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: cache
+  mountPath: /home/pdserve/.cache
+{{- end }}
+
+{{- define "pdserve.workerServiceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- printf "%s-worker" (include "pdserve.serviceAccountName" .) }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.internalSecretName" -}}
+{{- default (printf "%s-internal" (include "pdserve.fullname" .)) .Values.internalAuth.existingSecret }}
+{{- end }}
+
+{{/* The internal-API credential every router and worker container gets (never on a command line). */}}
+{{- define "pdserve.internalTokenEnv" -}}
+- name: PDSERVE_INTERNAL_TOKEN
+  valueFrom:
+    secretKeyRef: {name: {{ include "pdserve.internalSecretName" . }}, key: internal-token}
+{{- end }}
+
+{{/* Container security: no privilege escalation, every capability dropped but those given (RDMA needs IPC_LOCK),
+     read-only root (writable emptyDirs are mounted where caches and temporary files go). Call with (dict "add" list). */}}
+{{- define "pdserve.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: ["ALL"]
+  {{- with .add }}
+  add: {{ toJson . }}
+  {{- end }}
+{{- end }}
+
+{{/*
+Refuses a pool whose ranks cannot hold their weights: every rank holds the replicated parameters and its share of
+the routed experts (all of them without expert parallelism); what is left of the GPU's budget
+(gpuMemoryGiB x gpuMemoryFraction) must keep minKvCacheGiB for the KV cache. Call with (dict "root" $ "name" n "pool" p).
+*/}}
+{{- define "pdserve.fitCheck" -}}
+{{- $v := .root.Values }}
+{{- $shards := ternary (int .pool.ranks) 1 (and .pool.expertParallel (gt (int .pool.ranks) 1)) }}
+{{- $paramsB := addf $v.model.size.replicatedParamsB (divf $v.model.size.routedExpertParamsB $shards) }}
+{{- $weightsGiB := divf (mulf $paramsB 1e9 $v.model.weightBytes) 1073741824.0 }}
+{{- $budgetGiB := mulf $v.worker.gpuMemoryGiB $v.engine.gpuMemoryFraction }}
+{{- if gt (addf $weightsGiB $v.worker.minKvCacheGiB) $budgetGiB }}
+{{- fail (printf "pools.%s: each rank would hold %.1f GiB of weights (%.2fB replicated + %.2fB routed-expert parameters / %d expert shard(s), %v bytes each), but a GPU gives %.1f GiB (worker.gpuMemoryGiB %v x engine.gpuMemoryFraction %v) and %v GiB must stay for the KV cache; use more ranks with expertParallel: true, larger GPUs, or 1-byte (FP8) weights" .name $weightsGiB $v.model.size.replicatedParamsB $v.model.size.routedExpertParamsB $shards $v.model.weightBytes $budgetGiB $v.worker.gpuMemoryGiB $v.engine.gpuMemoryFraction $v.worker.minKvCacheGiB) }}
+{{- end }}
 {{- end }}

@@ -46,6 +46,9 @@ pdserve.io/pool: {{ .name }}
 - --page-size=$(PDSERVE_PAGE_SIZE)
 - --gpu-memory-fraction=$(PDSERVE_GPU_MEMORY_FRACTION)
 - --drain-timeout-s={{ .root.Values.worker.terminationGracePeriodSeconds }}
+{{- if .pool.expertParallel }}
+- --expert-parallel
+{{- end }}
 {{- range .root.Values.worker.extraArgs }}
 - {{ . | quote }}
 {{- end }}
@@ -58,7 +61,11 @@ pdserve.io/pool: {{ .name }}
 {{- $multiNode := $pool.multiNode.enabled }}
 {{- $rayPort := $pool.multiNode.rayPort }}
 {{- $gpus := include "pdserve.gpusPerPod" $pool -}}
-serviceAccountName: {{ include "pdserve.serviceAccountName" $root }}
+serviceAccountName: {{ include "pdserve.workerServiceAccountName" $root }}
+# Workers call no Kubernetes API: no token in their pods.
+automountServiceAccountToken: false
+securityContext:
+  {{- toYaml $root.Values.podSecurityContext | nindent 2 }}
 {{- /* Drain budget: the preStop wait, then the worker's own drain (--drain-timeout-s, after SIGTERM), then a margin
        for the process to exit (cut KV-event streams, release its Ray actors) before the kubelet's SIGKILL. */}}
 terminationGracePeriodSeconds: {{ add $root.Values.worker.terminationGracePeriodSeconds $root.Values.worker.preStopSleepSeconds 15 }}
@@ -97,6 +104,14 @@ containers:
         valueFrom: {fieldRef: {fieldPath: metadata.name}}
       - name: POD_IP
         valueFrom: {fieldRef: {fieldPath: status.podIP}}
+      {{- include "pdserve.internalTokenEnv" $root | nindent 6 }}
+      # Ray checks this token on every call between the pods of an instance (and locally).
+      - {name: RAY_AUTH_MODE, value: token}
+      - name: RAY_AUTH_TOKEN
+        valueFrom:
+          secretKeyRef: {name: {{ include "pdserve.internalSecretName" $root }}, key: ray-token}
+      - {name: UCX_TCP_PORT_RANGE, value: {{ $root.Values.worker.transferPortRange | quote }}}
+      - {name: HOME, value: /home/pdserve}
       {{- with $root.Values.worker.env }}
       {{- toYaml . | nindent 6 }}
       {{- end }}
@@ -132,17 +147,16 @@ containers:
     {{- end }}
     resources:
       {{- include "pdserve.workerResources" . | nindent 6 }}
-    {{- if $root.Values.worker.ipcLock }}
     securityContext:
-      capabilities:
-        add: ["IPC_LOCK"]
-    {{- end }}
+      {{- include "pdserve.containerSecurityContext" (dict "add" (ternary (list "IPC_LOCK") list $root.Values.worker.ipcLock)) | nindent 6 }}
     volumeMounts:
       {{- include "pdserve.modelVolumeMount" $root | nindent 6 }}
+      {{- include "pdserve.scratchVolumeMounts" $root | nindent 6 }}
       - name: shm
         mountPath: /dev/shm
 volumes:
   {{- include "pdserve.modelVolume" $root | nindent 2 }}
+  {{- include "pdserve.scratchVolumes" $root | nindent 2 }}
   - name: shm
     emptyDir:
       medium: Memory

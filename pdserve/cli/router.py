@@ -21,5 +21,7 @@ def main_router(args: argparse.Namespace) -> int:
     config = router_config_from_args(args)
     print(f"pdserve router: serving {config.model_name} on http://{config.host}:{config.port}", flush=True)
     limits = SlowClientLimits(config.request_read_timeout_s, config.send_stall_timeout_s)
-    uvicorn.run(build_router_app(config), host=config.host, port=config.port, log_level="warning", http=bounded_h11(limits))
+    # On SIGTERM uvicorn stops accepting and lets the streams in flight finish, for at most drain_timeout_s.
+    uvicorn.run(build_router_app(config), host=config.host, port=config.port, log_level="warning", http=bounded_h11(limits),
+                timeout_graceful_shutdown=config.drain_timeout_s)
     return 0

@@ -3,6 +3,7 @@ router, each a real process on 127.0.0.1. Used by `pdserve up`, the tests and th
 
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import httpx
 import ray
+
+from pdserve.http.internal_auth import TOKEN_ENV
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,10 @@ class LocalCluster:
     workers: list[ProcessInfo] = field(default_factory=list)
     router: ProcessInfo | None = None
     ray_address: str = ""
+    # The cluster's internal-API credential, handed to its processes through the environment (never on a command
+    # line). Taken from $PDSERVE_INTERNAL_TOKEN when set, so a caller that set it can reach the workers too.
+    internal_token: str = field(default_factory=lambda: os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32),
+                                repr=False)
     _log_dir: Path | None = None
     _owns_ray: bool = False
 
@@ -105,7 +112,7 @@ class LocalCluster:
         info.log_path = self._log_dir / f"{info.name}.log"
         with open(info.log_path, "ab") as log_file:
             info.process = subprocess.Popen(info.command, stdout=log_file, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+                                            start_new_session=True, env={**os.environ, TOKEN_ENV: self.internal_token})
         return info
 
     def _wait_healthy(self, info: ProcessInfo, deadline: float) -> None:

@@ -188,7 +188,8 @@ class Engine:
         request = self.requests[request_id]
         request.num_computed_tokens = len(request.prompt_token_ids)
         self.scheduler.add_running(request)
-        return self._append_token(request, first_token_id, first_logprob)
+        # The prefill rank prefilled the prompt and sampled this token, and counted both: not counted again here.
+        return self._append_token(request, first_token_id, first_logprob, counted_elsewhere=True)
 
     def abort(self, request_id: str) -> bool:
         request = self.requests.get(request_id)
@@ -248,12 +249,14 @@ class Engine:
         eos = [] if request.sampling.ignore_eos else list(self.model_config.eos_token_ids)
         return eos + list(request.sampling.stop_token_ids)
 
-    def _append_token(self, request: Request, token_id: int, logprob: float | None) -> RequestOutput:
-        if not request.output_token_ids:
-            self._prefix_queries_tokens += len(request.prompt_token_ids)
-            self._prefix_hits_tokens += request.num_cached_tokens
-            self._prompt_tokens += len(request.prompt_token_ids)
-        self._generation_tokens += 1
+    def _append_token(self, request: Request, token_id: int, logprob: float | None,
+                      counted_elsewhere: bool = False) -> RequestOutput:
+        if not counted_elsewhere:
+            if not request.output_token_ids:
+                self._prefix_queries_tokens += len(request.prompt_token_ids)
+                self._prefix_hits_tokens += request.num_cached_tokens
+                self._prompt_tokens += len(request.prompt_token_ids)
+            self._generation_tokens += 1
         request.output_token_ids.append(token_id)
         if logprob is not None:
             request.output_logprobs.append(logprob)

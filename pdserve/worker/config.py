@@ -1,9 +1,11 @@
 """A worker's settings, from its command line."""
 
 import argparse
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 from pdserve.engine.config import EngineConfig
+from pdserve.http.internal_auth import internal_token_from
 from pdserve.wire.protocol import Role
 
 
@@ -23,6 +25,8 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0
     gpus_per_rank: float = 1.0  # below 1, workers share a GPU (small models, single-GPU benchmarks)
     request_read_timeout_s: float = 30.0  # a request must arrive whole within this of its first byte (slow clients)
+    # The deployment's shared secret: required on every internal-API call, sent on the calls this worker makes.
+    internal_token: str = field(default="", repr=False)
 
     @property
     def url(self) -> str:
@@ -60,6 +64,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", choices=("safetensors", "random"), default="safetensors",
                         help="random: the config's shape with random weights (benchmarks; no checkpoint needed)")
     parser.add_argument("--seed", type=int, default=0, help="seed of random weights and of unseeded sampling")
+    parser.add_argument("--internal-token-file", default="",
+                        help="file holding the internal-API credential (default: $PDSERVE_INTERNAL_TOKEN, else a "
+                             "per-user file shared with a router and workers started on this machine)")
 
 
 def worker_config_from_args(args: argparse.Namespace, model_dir: str) -> WorkerConfig:
@@ -76,4 +83,5 @@ def worker_config_from_args(args: argparse.Namespace, model_dir: str) -> WorkerC
         transfer_timeout_s=args.transfer_timeout_s, prefill_timeout_s=args.prefill_timeout_s,
         drain_timeout_s=args.drain_timeout_s, gpus_per_rank=args.gpus_per_rank,
         request_read_timeout_s=args.request_read_timeout_s,
+        internal_token=internal_token_from(args.internal_token_file, os.environ),
     )

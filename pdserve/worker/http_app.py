@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
 
+from pdserve.http.internal_auth import InternalAuth
 from pdserve.http.slow_clients import client_left
 from pdserve.wire.protocol import (
     API_VERSION,
@@ -81,6 +82,7 @@ def build_worker_app(cfg: WorkerConfig, ranks: RankSet, info: WorkerInfo, gate: 
         watcher.cancel()
 
     app = FastAPI(title="pdserve worker", lifespan=lifespan)
+    app.add_middleware(InternalAuth, token=cfg.internal_token)
 
     app.add_exception_handler(ClientDisconnect, client_left)
 

@@ -28,7 +28,7 @@ def run_worker(cfg: WorkerConfig) -> None:
         RankConfig(rank=i, role=cfg.role, engine=cfg.engine, worker_url=cfg.url,
                    transfer_timeout_s=cfg.transfer_timeout_s,
                    prefill_timeout_s=cfg.prefill_timeout_s, world_size=cfg.num_ranks,
-                   expert_parallel=cfg.expert_parallel)
+                   expert_parallel=cfg.expert_parallel, internal_token=cfg.internal_token)
         for i in range(cfg.num_ranks)
     ]
     mode = " (one expert-parallel instance)" if cfg.expert_parallel else ""

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine, InvalidRequestError, NoCapacityError, RequestOutput
 from pdserve.engine.lockstep import Lockstep
+from pdserve.http.internal_auth import bearer_headers
 from pdserve.model.config import ModelConfig
 from pdserve.ops.moe import ExpertRange
 from pdserve.ops.moe_ep import ExpertParallelMoE, expert_owner_range
@@ -59,6 +60,7 @@ class RankConfig:
     prefill_timeout_s: float = 120.0
     world_size: int = 1  # ranks of this worker
     expert_parallel: bool = False  # the ranks share the routed experts over the default process group
+    internal_token: str = field(default="", repr=False)  # sent on this rank's calls to prefill workers
 
 
 class InstanceBroken(RuntimeError):
@@ -105,7 +107,7 @@ class RankRuntime:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._http = httpx.AsyncClient()
+        self._http = httpx.AsyncClient(headers=bearer_headers(cfg.internal_token))
         self._broken: str | None = None
 
     def _expert_parallel_engine(self, cfg: RankConfig) -> tuple[Engine, Lockstep]:

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from deploy.chart import render_chart, rendered_objects
+import yaml
+
+from deploy.chart import CHART_DIR, render_chart, rendered_objects
+
+V3_VALUES = yaml.safe_load((CHART_DIR / "values-deepseek-v3.yaml").read_text())
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
@@ -27,8 +31,16 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "router": {"routing": {"policy": "least_load"}, "pdb": {"enabled": False}},
     },
     "pvc-subpath": {
-        "model": {"existingClaim": {"claimName": "models", "subPath": "deepseek-v3"}},
+        "model": {"source": "existingClaim", "existingClaim": {"claimName": "models", "subPath": "deepseek-v3"}},
         "engine": {"pageSize": 32, "gpuMemoryFraction": 0.8},
+    },
+    "deepseek-v3": V3_VALUES,
+    "autoscaling-existing-secret": {
+        "pools": {"decode": {"autoscaling": {"enabled": True, "maxReplicas": 8}},
+                  "prefill": {"ranks": 2, "multiNode": {"enabled": True, "nodes": 2},
+                              "autoscaling": {"enabled": True, "metric": "pdserve_num_requests_running"}}},
+        "internalAuth": {"existingSecret": "my-pdserve-credentials"},
+        "monitoring": {"prometheusOperator": {"enabled": True}},
     },
 }
 

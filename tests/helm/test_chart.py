@@ -178,7 +178,7 @@ def test_packaged_chart_holds_the_dashboards_as_real_files(tmp_path: Path) -> No
 
 @pytest.mark.parametrize(
     ("value_set", "volume_key"),
-    [("defaults", "persistentVolumeClaim"), ("hostpath-colocated", "hostPath"), ("download-model-api-keys", "emptyDir")],
+    [("pvc-subpath", "persistentVolumeClaim"), ("hostpath-colocated", "hostPath"), ("defaults", "emptyDir")],
 )
 def test_model_source_picks_the_model_volume(value_set: str, volume_key: str) -> None:
     objects = render_objects(VALUE_SETS[value_set])

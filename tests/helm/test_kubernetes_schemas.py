@@ -17,7 +17,7 @@ KUBERNETES_VERSIONS = ["1.29", latest_version()]
 # fields the chart sets are checked against these hand-written excerpts of the CRDs.
 LEADER_WORKER_SET_SPEC = {
     "type": "object",
-    "required": ["replicas", "leaderWorkerTemplate"],
+    "required": ["leaderWorkerTemplate"],  # replicas is optional (default 1); an autoscaled pool leaves it out
     "properties": {
         "replicas": {"type": "integer", "minimum": 0},
         "startupPolicy": {"enum": ["LeaderCreated", "LeaderReady"]},
@@ -55,13 +55,22 @@ POD_MONITOR_SPEC = {
                         "items": {
                             "type": "object",
                             "additionalProperties": False,
-                            "properties": {"sourceLabels": {"type": "array"}, "targetLabel": {"type": "string"}},
+                            "properties": {"sourceLabels": {"type": "array"}, "targetLabel": {"type": "string"},
+                                           "replacement": {"type": "string"}},
                         },
                     },
                 },
             },
         },
     },
+}
+# A ServiceMonitor's endpoints take the same fields as a PodMonitor's podMetricsEndpoints.
+SERVICE_MONITOR_SPEC = {
+    "type": "object",
+    "required": ["selector", "endpoints"],
+    "additionalProperties": False,
+    "properties": {"selector": {"type": "object"},
+                   "endpoints": POD_MONITOR_SPEC["properties"]["podMetricsEndpoints"]},
 }
 
 
@@ -72,8 +81,10 @@ def _validate(obj: dict[str, Any], version: str) -> None:
         for template in (lwt["leaderTemplate"], lwt["workerTemplate"]):
             pod_template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template}
             kubernetes_validate.validate(pod_template, version, strict=True)
-    elif obj["apiVersion"] == "monitoring.coreos.com/v1":
+    elif obj["kind"] == "PodMonitor":
         jsonschema.validate(obj["spec"], POD_MONITOR_SPEC)
+    elif obj["kind"] == "ServiceMonitor":
+        jsonschema.validate(obj["spec"], SERVICE_MONITOR_SPEC)
     else:
         kubernetes_validate.validate(obj, version, strict=True)
 

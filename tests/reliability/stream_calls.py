@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+from probes import internal_headers
 
 TIMEOUT_S = 120.0
 STREAMING_AFTER_TOKENS = 20
@@ -64,7 +65,7 @@ def model_of(router_url: str) -> str:
 
 
 def worker_load(worker_url: str) -> list[dict]:
-    return httpx.get(worker_url + "/internal/v1/load", timeout=10).json()["ranks"]
+    return httpx.get(worker_url + "/internal/v1/load", headers=internal_headers(), timeout=10).json()["ranks"]
 
 
 def pages_at_rest(worker_url: str) -> bool:

@@ -9,8 +9,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from probes import eventually
+from probes import eventually, internal_headers
 from stream_calls import model_of, pages_at_rest, stream_completion
 
 READ_TIMEOUT_S = 3.0  # a valid request may generate for long; its status is all we read
@@ -121,18 +120,20 @@ def test_random_json_to_the_worker_internal_api_never_gets_a_5xx(pd_cluster):
     @FUZZ
     @given(st.one_of(generate, json_values))
     def check(body):
-        assert status_of(worker.url + "/internal/v1/generate", json.dumps(body).encode()) < 500, body
-        assert status_of(worker.url + "/internal/v1/abort", json.dumps(body).encode()) < 500, body
+        headers = {"content-type": "application/json", **internal_headers()}
+        assert status_of(worker.url + "/internal/v1/generate", json.dumps(body).encode(), headers) < 500, body
+        assert status_of(worker.url + "/internal/v1/abort", json.dumps(body).encode(), headers) < 500, body
 
     check()
     for prompt in ([10**6], [-1], [2**62]):  # outside the vocabulary: refused, and the rank survives
         body = {"request_id": "oov", "rank": 0, "prompt_token_ids": prompt, "sampling": {"max_tokens": 2}}
-        response = httpx.post(worker.url + "/internal/v1/generate", json=body, timeout=30)
+        response = httpx.post(worker.url + "/internal/v1/generate", json=body, headers=internal_headers(), timeout=30)
         assert response.status_code < 500 and "error" in response.text
     for query in ("rank=0&after=abc", "rank=99", "rank=-1", f"rank={2**70}", "rank=0&after=" + "9" * 40):
         for path in ("/internal/v1/transfer/metadata", "/internal/v1/kv_events"):
             try:
-                with httpx.stream("GET", f"{worker.url}{path}?{query}", timeout=httpx.Timeout(10, read=2)) as response:
+                with httpx.stream("GET", f"{worker.url}{path}?{query}", headers=internal_headers(),
+                                  timeout=httpx.Timeout(10, read=2)) as response:
                     assert response.status_code < 500, (path, query)
             except httpx.ReadTimeout:
                 pass  # a live KV-event stream

@@ -7,11 +7,10 @@ import time
 
 import httpx
 import pytest
-
-from pdserve.cluster.local import ClusterConfig, LocalCluster
-
 from probes import eventually
 from stream_calls import TIMEOUT_S, model_of, running, stream_completion
+
+from pdserve.cluster.local import ClusterConfig, LocalCluster
 
 DRAIN_TIMEOUT_S = 40
 LONG_TOKENS = 400

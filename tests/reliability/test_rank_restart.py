@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from load import rank_actor_pids_of
-from probes import health_status, wait_for
+from probes import health_status, internal_headers, wait_for
 
 from pdserve.cluster.local import free_port
 from pdserve.wire.client import WorkerClient
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 async def generate(url: str, rank: int, sampling: SamplingParams, request_id: str) -> list[TokenEvent]:
-    async with httpx.AsyncClient() as http:
+    async with httpx.AsyncClient(headers=internal_headers()) as http:
         request = GenerateRequest(request_id, rank, PROMPT, sampling)
         stream = WorkerClient(url, http, 10.0).generate(request, REQUEST_TIMEOUT_S)
         return await asyncio.wait_for(_collect(stream), REQUEST_TIMEOUT_S)

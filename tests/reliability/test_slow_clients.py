@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from probes import eventually
+from probes import eventually, internal_headers
 from stream_calls import model_of, pages_at_rest, running
 
 SLACK_S = 5.0  # on top of a bound: a 2-core box shared with other jobs
@@ -85,8 +85,9 @@ def completion_body(model: str, max_tokens: int, stream: bool = False) -> bytes:
                        "return_token_ids": True}).encode()
 
 
-def post_head(path: str, content_length: int) -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
+def post_head(path: str, content_length: int, extra_headers: dict[str, str] | None = None) -> bytes:
+    extra = "".join(f"{name}: {value}\r\n" for name, value in (extra_headers or {}).items())
+    return (f"POST {path} HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n{extra}"
             f"content-length: {content_length}\r\n\r\n").encode()
 
 
@@ -220,12 +221,13 @@ def test_many_stalled_connections_hold_up_nothing_and_all_get_408(pd_cluster, mo
 def test_worker_internal_api_bounds_slow_heads_and_bodies(pd_cluster, model, cluster_stays_well):
     worker = pd_cluster.workers[-1]  # the colocated one
     bound_s = flag(pd_cluster.cfg.worker_args, "--request-read-timeout-s")
-    first = post_head("/internal/v1/generate", 500) + b'{"request_id": "slow'
+    # With the credential: a caller without one is refused at once (tests/reliability/test_security.py).
+    first = post_head("/internal/v1/generate", 500, internal_headers()) + b'{"request_id": "slow'
     trickled_body = lambda: slow_request(worker.url, first, b"x" * 100)  # noqa: E731
     stalled_head = lambda: slow_request(worker.url, b"GET /internal/v1/load HTTP/1.1\r\nho")  # noqa: E731
     for result in while_slow_clients(pd_cluster.url, model, trickled_body, stalled_head):
         assert_timed_out(result, bound_s)
-    assert httpx.get(worker.url + "/internal/v1/load", timeout=10).status_code == 200
+    assert httpx.get(worker.url + "/internal/v1/load", headers=internal_headers(), timeout=10).status_code == 200
 
 
 def test_stream_reader_that_stops_then_closes_frees_its_worker(pd_cluster, model, cluster_stays_well):

@@ -9,7 +9,6 @@ import asyncio
 import time
 
 import pytest
-
 from load import LoadReport, rank_actor_pids, rss_bytes, run_load
 from probes import eventually
 from stream_calls import model_of, pages_at_rest

@@ -5,11 +5,10 @@ text-identical to an undisturbed run. With no decode worker left, the stream end
 import threading
 
 import pytest
-
-from pdserve.cluster.local import ClusterConfig, LocalCluster
-
 from probes import eventually, metric_total
 from stream_calls import TIMEOUT_S, model_of, pages_at_rest, running, stream_completion
+
+from pdserve.cluster.local import ClusterConfig, LocalCluster
 
 MAX_TOKENS = 1500
 PROMPT = "a long story about a quick brown fox"

@@ -5,10 +5,10 @@ import time
 
 import pytest
 import torch
+from probes import metric_total
+from worker_calls import disaggregated, generate, pages_at_rest, token_ids
 
 from pdserve import LLM, SamplingParams
-
-from worker_calls import disaggregated, generate, pages_at_rest, token_ids
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
@@ -55,6 +55,17 @@ def test_pages_return_to_baseline_on_both_sides(pd_cluster, prompts):
     while not (pages_at_rest(prefill) and pages_at_rest(decode)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert pages_at_rest(prefill) and pages_at_rest(decode)
+
+
+def test_prompt_and_output_tokens_are_counted_once_over_both_workers(pd_cluster, prompts):
+    urls = [worker(pd_cluster, r).url for r in ("prefill", "decode")]
+    names = ("pdserve_prompt_tokens_total", "pdserve_generation_tokens_total")
+    before = {name: sum(metric_total(url, name) for url in urls) for name in names}
+    prompt = prompts[-2]
+    events = disaggregated(urls[1], urls[0], prompt, GREEDY)
+    assert events[-1].finish_reason == "length"
+    counted = {name: sum(metric_total(url, name) for url in urls) - before[name] for name in names}
+    assert counted == {"pdserve_prompt_tokens_total": len(prompt), "pdserve_generation_tokens_total": GREEDY.max_tokens}
 
 
 def test_plan_for_the_wrong_role_is_refused(pd_cluster, prompts):

@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+from probes import internal_headers
 from worker_calls import TIMEOUT_S, disaggregated, generate, pages_at_rest, token_ids
 
 from pdserve import SamplingParams
@@ -79,7 +80,8 @@ def test_abort_mid_stream_ends_with_abort_and_frees_pages(cluster):
     plan_thread.start()
     time.sleep(2.0)
     # what the router sends when its client disconnects
-    assert httpx.post(decode.url + "/internal/v1/abort", json={"request_id": "to-abort"}, timeout=5).json()["aborted"]
+    assert httpx.post(decode.url + "/internal/v1/abort", json={"request_id": "to-abort"}, headers=internal_headers(),
+                      timeout=5).json()["aborted"]
     plan_thread.join(timeout=TIMEOUT_S)
     assert not plan_thread.is_alive()
     assert result["events"][-1].finish_reason == "abort"
@@ -107,4 +109,5 @@ def test_a_stalled_prefill_times_out_and_its_late_write_never_lands_in_reused_pa
         time.sleep(3)
         assert eventually(lambda: pages_at_rest(prefill.url))
         for _ in range(3):  # the decode pool is intact: pages reused since give the same tokens
-            assert token_ids(disaggregated(decode.url, prefill.url, PROMPT, GREEDY)) == expected
+            events = disaggregated(decode.url, prefill.url, PROMPT, GREEDY)
+            assert token_ids(events) == expected, events[-1]

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from probes import health_status, wait_for
+from probes import health_status, internal_headers, wait_for
 
 from pdserve.cluster.local import free_port
 from pdserve.engine.llm import LLM
@@ -58,7 +58,7 @@ def rank_actor_pids(worker_pid: int) -> list[int]:
 
 async def generate(url: str, rank: int, prompt: list[int], request_id: str,
                    sampling: SamplingParams = SAMPLING) -> list[TokenEvent]:
-    async with httpx.AsyncClient() as http:
+    async with httpx.AsyncClient(headers=internal_headers()) as http:
         request = GenerateRequest(request_id, rank, prompt, sampling)
         return [event async for event in WorkerClient(url, http, 10.0).generate(request, REQUEST_TIMEOUT_S)]
 

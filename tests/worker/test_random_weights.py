@@ -7,12 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from worker_calls import disaggregated, token_ids
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.local import ClusterConfig, LocalCluster
 from pdserve.model.tiny import make_config_only_model
-
-from worker_calls import disaggregated, token_ids
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 SEED = 3

@@ -4,6 +4,7 @@ import asyncio
 import itertools
 
 import httpx
+from probes import internal_headers
 
 from pdserve.wire.client import WorkerClient
 from pdserve.wire.protocol import GenerateRequest, LoadReport, Plan, PrefillSource, TokenEvent
@@ -18,7 +19,7 @@ def run(coro):
 
 
 async def _generate(url: str, request: GenerateRequest) -> list[TokenEvent]:
-    async with httpx.AsyncClient() as http:
+    async with httpx.AsyncClient(headers=internal_headers()) as http:
         return [event async for event in WorkerClient(url, http).generate(request, TIMEOUT_S)]
 
 
@@ -38,7 +39,7 @@ def token_ids(events: list[TokenEvent]) -> list[int]:
 
 def load(url: str) -> LoadReport:
     async def fetch():
-        async with httpx.AsyncClient() as http:
+        async with httpx.AsyncClient(headers=internal_headers()) as http:
             return await WorkerClient(url, http, request_timeout_s=10.0).load()
 
     return run(fetch())
