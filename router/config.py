@@ -28,6 +28,8 @@ class RouterConfig:
     api_keys: frozenset[str] = field(default_factory=frozenset)  # empty: no authentication
     # Limits: what a request may ask for before it is refused with a 4xx.
     max_body_bytes: int = 4 * 1024 * 1024
+    max_prompt_chars: int = 4 * 1024 * 1024  # text to tokenize per request; more is a 400 before tokenizing starts
+    text_threads: int = 2  # threads that tokenize and render chat templates off the event loop
     max_n: int = 16
     max_tokens_limit: int = 32768
     max_model_len: int = 0  # 0: taken from the workers' info (the smallest), else this

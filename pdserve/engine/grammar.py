@@ -19,26 +19,10 @@ import numpy as np
 import torch
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
+from pdserve.text.grammars import GrammarError, llguidance_grammar
 from pdserve.wire.sampling import Grammar
 
 log = logging.getLogger(__name__)
-
-# Compact JSON (no free whitespace): a model cannot stall inside a JSON value on endless blank space.
-COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
-
-
-class GrammarError(ValueError):
-    """The grammar cannot be compiled for this model."""
-
-
-def llguidance_grammar(grammar: Grammar) -> str:
-    """llguidance's serialized grammar for a wire `Grammar`; raises GrammarError on a malformed one."""
-    try:
-        if grammar.kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(grammar.source, overrides=COMPACT_JSON)
-        return llguidance.LLMatcher.grammar_from_lark(grammar.source)
-    except ValueError as error:
-        raise GrammarError(f"invalid {grammar.kind} grammar: {error}") from None
 
 
 class GrammarCompiler:
@@ -58,7 +42,7 @@ class GrammarCompiler:
         if self._tokenizer is None:
             self._tokenizer = llguidance.LLTokenizer(str(self._tokenizer_json), n_vocab=self.vocab_size,
                                                      eos_token=self._eos_token_ids)
-        matcher = llguidance.LLMatcher(self._tokenizer, llguidance_grammar(grammar), log_level=0)
+        matcher = llguidance.LLMatcher(self._tokenizer, llguidance_grammar(grammar.kind, grammar.source), log_level=0)
         if matcher.is_error():
             raise GrammarError(f"invalid {grammar.kind} grammar: {matcher.get_error()}")
         return RequestGrammar(matcher, self.vocab_size, self._mask_thread)
