@@ -181,8 +181,9 @@ def build_router_app(config: RouterConfig, discovery: Discovery | None = None) -
         return {"object": "list", "data": [model_card()]}
 
     @app.get("/v1/models/{model_id:path}", openapi_extra=_openapi(None, (401, 404))[0])
-    async def model(request: Request, model_id: str) -> dict:
+    async def model(request: Request) -> dict:
         check_key(request)
+        model_id = request.path_params["model_id"]  # not a declared parameter: FastAPI would document a 422
         if model_id != config.model_name:
             raise APIError(404, f"The model `{model_id}` does not exist; this router serves `{config.model_name}`.",
                            param="model", code="model_not_found")
