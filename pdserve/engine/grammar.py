@@ -45,6 +45,8 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self._tokenizer, llguidance_grammar(grammar.kind, grammar.source), log_level=0)
         if matcher.is_error():
             raise GrammarError(f"invalid {grammar.kind} grammar: {matcher.get_error()}")
+        if grammar.accepted_token_ids and not matcher.consume_tokens(grammar.accepted_token_ids):
+            raise GrammarError(f"the tokens already generated do not follow the grammar: {matcher.get_error()}")
         return RequestGrammar(matcher, self.vocab_size, self._mask_thread)
 
 

@@ -14,6 +14,9 @@ class Grammar:
 
     kind: Literal["json_schema", "lark"]
     source: str
+    # Output tokens already generated under this grammar elsewhere (a stream migrated to another worker continues
+    # after them): the new matcher is advanced by them before the first step.
+    accepted_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -72,3 +72,17 @@ def test_required_tool_call_grammar_gives_one_parseable_call(llm, tiny_v3_deepse
         assert result.finish_reason == "stop" and content == "" and parser.calls == 1
         assert deltas[0].name in ("get_weather", "get_time")
         json.loads("".join(d.arguments for d in deltas))
+
+
+def test_a_migrated_stream_continues_the_grammar_after_its_streamed_tokens(llm):
+    """A stream moved to another worker arrives as prompt + streamed tokens; its matcher starts after them, so the
+    continuation completes the same JSON as an undisturbed run."""
+    grammar = Grammar("json_schema", json_schema_source(SCHEMA))
+    prompt = llm.engine.tokenizer.encode(PROMPTS[1])
+    whole = llm.generate(prompt_token_ids=[prompt], sampling=SamplingParams(max_tokens=120, temperature=0.0, grammar=grammar))[0]
+    streamed = whole.token_ids[:5]
+    resumed = Grammar(grammar.kind, grammar.source, accepted_token_ids=streamed)
+    rest = llm.generate(prompt_token_ids=[prompt + streamed],
+                        sampling=SamplingParams(max_tokens=115, temperature=0.0, grammar=resumed))[0]
+    assert streamed + rest.token_ids == whole.token_ids
+    jsonschema.validate(json.loads(whole.text), SCHEMA)
