@@ -5,9 +5,9 @@ the next forward pass (llguidance drops the GIL while it computes) and sampling 
 A constrained row's mask depends on the token the row just sampled, known on the host only once the step has
 synchronized; so a batch with any constrained row must step synchronously (`LogitsProcessing.needs_sync`).
 
-Why llguidance (not xgrammar or outlines-core): no per-schema precompilation over the vocabulary (a new schema costs
-well under a millisecond to start, masks are computed lazily by an Earley parser over a token trie in ~50-200 us
-on a 129k vocabulary on one CPU core), no torch or CUDA dependency (the router validates grammars with it too),
+Why llguidance (not xgrammar or outlines-core): no per-schema precompilation over the vocabulary (a new schema
+starts at once; each mask is computed lazily by an Earley parser over a token trie), no torch or CUDA dependency (the
+router validates grammars with it too),
 Lark grammars that reference special tokens by id (tool-call markers) and embed JSON Schemas (`%json`)."""
 
 import concurrent.futures
