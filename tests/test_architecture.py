@@ -65,8 +65,8 @@ def test_no_package_imports_its_own_layer_or_a_higher_one():
     assert not upward, "imports against the layering:\n" + "\n".join(f"{f}: {s} -> {t}" for f, s, t in upward)
 
 
-def test_importing_the_router_does_not_import_torch():
-    code = ("import sys; import pdserve_router.app, pdserve_router.serving, pdserve_router.dispatch; "
+def test_importing_the_router_and_the_command_line_does_not_import_torch():
+    code = ("import sys; import pdserve_router.app, pdserve_router.serving, pdserve_router.dispatch, pdserve.cli.main; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr

@@ -2,8 +2,6 @@
 
 import argparse
 
-from pdserve.model.tiny import make_tiny_model
-
 
 def add_make_tiny_model_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("make-tiny-model", help="write a small random DeepSeek-V2/V3 checkpoint")
@@ -19,6 +17,8 @@ def add_make_tiny_model_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main_make_tiny_model(args: argparse.Namespace) -> int:
+    from pdserve.model.tiny import make_tiny_model  # torch: only for this command (the router image has none)
+
     out_dir = make_tiny_model(
         args.out_dir, arch=args.arch, seed=args.seed, fp8=args.fp8, dtype=args.dtype, num_shards=args.num_shards,
         tokenizer=args.tokenizer,
