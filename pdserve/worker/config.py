@@ -23,6 +23,15 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0
     gpus_per_rank: float = 1.0  # below 1, workers share a GPU (small models, single-GPU benchmarks)
     request_read_timeout_s: float = 30.0  # a request must arrive whole within this of its first byte (slow clients)
+    # Hand-off peers: the workers this one exchanges KV with (static URLs, or pods through Kubernetes discovery).
+    peers: tuple[str, ...] = ()
+    discovery: str = "static"  # static | k8s
+    k8s_namespace: str = "default"
+    k8s_label_selector: str = "app.kubernetes.io/name=pdserve"
+    nixl_progress_thread: bool | None = None  # None: on for GPU pools, off on the CPU
+    warmup: bool = True
+    stuck_step_timeout_s: float = 300.0  # a rank whose step loop has not turned for this long is unhealthy
+    test_step_delay_s: float = 0.0  # test hook: each step after warm-up sleeps this long first
 
     @property
     def url(self) -> str:
@@ -60,6 +69,19 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", choices=("safetensors", "random"), default="safetensors",
                         help="random: the config's shape with random weights (benchmarks; no checkpoint needed)")
     parser.add_argument("--seed", type=int, default=0, help="seed of random weights and of unseeded sampling")
+    parser.add_argument("--peers", default="",
+                        help="comma-separated URLs of the workers this one may exchange KV with (static discovery)")
+    parser.add_argument("--discovery", choices=("static", "k8s"), default="static",
+                        help="where hand-off peers come from: --peers, or the pods Kubernetes lists")
+    parser.add_argument("--k8s-namespace", default="default")
+    parser.add_argument("--k8s-label-selector", default="app.kubernetes.io/name=pdserve")
+    parser.add_argument("--nixl-progress-thread", choices=("auto", "on", "off"), default="auto",
+                        help="NIXL's own progress thread (spins a core): auto = on for GPU pools, off on the CPU")
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="report ready without first running every kernel variant once")
+    parser.add_argument("--stuck-step-timeout-s", type=float, default=300.0,
+                        help="a rank whose step loop has not moved on for this long is unhealthy (a long step is not)")
+    parser.add_argument("--test-step-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: slow steps
 
 
 def worker_config_from_args(args: argparse.Namespace, model_dir: str) -> WorkerConfig:
@@ -76,4 +98,9 @@ def worker_config_from_args(args: argparse.Namespace, model_dir: str) -> WorkerC
         transfer_timeout_s=args.transfer_timeout_s, prefill_timeout_s=args.prefill_timeout_s,
         drain_timeout_s=args.drain_timeout_s, gpus_per_rank=args.gpus_per_rank,
         request_read_timeout_s=args.request_read_timeout_s,
+        peers=tuple(url.strip() for url in args.peers.split(",") if url.strip()), discovery=args.discovery,
+        k8s_namespace=args.k8s_namespace, k8s_label_selector=args.k8s_label_selector,
+        nixl_progress_thread={"auto": None, "on": True, "off": False}[args.nixl_progress_thread],
+        warmup=not args.no_warmup, stuck_step_timeout_s=args.stuck_step_timeout_s,
+        test_step_delay_s=args.test_step_delay_s,
     )
