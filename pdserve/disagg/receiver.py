@@ -82,6 +82,7 @@ class ReceiverConfig:
     worker_url: str  # how the prefill workers' discovery names this worker
     prefill_timeout_s: float  # bound on the prefill answering; sets the write deadline
     transfer_timeout_s: float  # bound on the KV arriving after that; the prefill rank cancels a write after it
+    clock_margin_s: float = CLOCK_MARGIN_S
 
 
 @dataclass(eq=False)
@@ -169,12 +170,15 @@ class Receiver:
     async def _hand_off(self, reception: Reception, request: GenerateRequest) -> TokenEvent:
         assert request.plan.prefill is not None
         link = self._prefill_link(request.plan.prefill)
+        bound_s = self.cfg.prefill_timeout_s + self.cfg.transfer_timeout_s
         try:
-            first = await asyncio.wait_for(self._prefill_and_kv(reception, request, link),
-                                           self.cfg.prefill_timeout_s + self.cfg.transfer_timeout_s)
+            first = await asyncio.wait_for(self._prefill_and_kv(reception, request, link), bound_s)
             event = await self._pages.start_decoding(reception.request_id, first)
         except BaseException as error:
             self._give_up(reception, link, error)
+            if isinstance(error, asyncio.TimeoutError):
+                raise HandoffFailed(f"the prefill's first token and KV did not come within {bound_s:.3g} s "
+                                    f"({reception.state.value})") from error
             raise
         self._set(reception, ReceiverState.DECODING)
         self._forget(reception)
@@ -196,7 +200,7 @@ class Receiver:
         except WorkerUnavailable as error:
             raise HandoffFailed(f"prefill worker {source.url}: {error}") from error
         if first is None or first.finish_reason == "error" or not first.token_ids:
-            raise HandoffFailed(f"prefill failed: {first.error if first else 'no answer'}")
+            raise HandoffFailed(f"prefill failed: {(first.error or first.finish_reason) if first else 'no answer'}")
         if reception.state is ReceiverState.PREFILL_REQUESTED:
             raise HandoffFailed("the prefill worker answered without confirming the reservation")
         if reception.state is ReceiverState.CONFIRMED:
@@ -211,7 +215,7 @@ class Receiver:
             self._spawn(link.abort(reception.request_id))  # it may still be computing: stop it
         if state in AWAITING_KV:
             self._set(reception, ReceiverState.QUARANTINED)
-            hold_s = reception.write_deadline_unix_s + self.cfg.transfer_timeout_s + CLOCK_MARGIN_S - time.time()
+            hold_s = reception.write_deadline_unix_s + self.cfg.transfer_timeout_s + self.cfg.clock_margin_s - time.time()
             log.info("request %s: hand-off failed after the confirm (%r); pages held %.1f s", reception.request_id,
                      error, hold_s)
             self._spawn(self._free_after(reception, hold_s))

@@ -27,7 +27,14 @@ import torch
 import torch.distributed as dist
 
 from pdserve.disagg.counters import HandoffCounters
-from pdserve.disagg.receiver import HandoffAborted, HandoffFailed, PrefillLink, Receiver, ReceiverConfig
+from pdserve.disagg.receiver import (
+    CLOCK_MARGIN_S,
+    HandoffAborted,
+    HandoffFailed,
+    PrefillLink,
+    Receiver,
+    ReceiverConfig,
+)
 from pdserve.disagg.sender import Sender
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine, EngineStats, NoCapacityError, RequestOutput
@@ -56,6 +63,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 SNAPSHOT_INTERVAL_S = 0.01  # engine stats are published at most this often (reading them costs ~0.1 ms)
 IDLE_WAIT_S = 0.005  # an idle step thread waits this long for a command before it turns again
+CPU_WARMUP_TOKENS = 128
 
 OpenBackend = Callable[[str, torch.Tensor, OnNotification], TransferBackend]
 
@@ -73,6 +81,7 @@ class RankConfig:
     nixl_progress_thread: bool | None = None  # None: on for a GPU pool, off on the CPU (docs/transfer.md)
     warmup: bool = True  # run every kernel variant once before the rank reports ready
     test_step_delay_s: float = 0.0  # test hook: after warm-up each step first sleeps this long (a slow kernel)
+    clock_margin_s: float = CLOCK_MARGIN_S  # how far host clocks may disagree, for write deadlines
 
 
 class InstanceBroken(RuntimeError):
@@ -144,7 +153,8 @@ class RankRuntime:
         port = _EnginePort(self)
         self.sender = Sender(cfg.engine.page_size, cfg.transfer_timeout_s, self.backend, port, self._emit, self.counters)
         self.receiver = Receiver(
-            ReceiverConfig(cfg.rank, cfg.worker_url, cfg.prefill_timeout_s, cfg.transfer_timeout_s), self.backend, port,
+            ReceiverConfig(cfg.rank, cfg.worker_url, cfg.prefill_timeout_s, cfg.transfer_timeout_s, cfg.clock_margin_s),
+            self.backend, port,
             prefill_link or (lambda source: WorkerClient(source.url, self._http)), self.counters)
         self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.Queue()
         self._streams: dict[str, asyncio.Queue[TokenEvent]] = {}
@@ -156,7 +166,7 @@ class RankRuntime:
         self._snapshot = RankSnapshot(self.engine.stats(), 0)
         self._published_s = self._turned_s = time.monotonic()
         self._warm_up_task: asyncio.Future | None = None
-        self._step_delay_s = 0.0  # the test hook, armed after warm-up
+        self.test_step_delay_s = 0.0  # the test hook (cfg.test_step_delay_s), armed after warm-up
         self.warmup_s = 0.0
 
     def _expert_parallel_engine(self, cfg: RankConfig) -> tuple[Engine, Lockstep]:
@@ -282,21 +292,26 @@ class RankRuntime:
         """Every kernel variant a rank runs, through the engine, before it reports ready (a first prefill once spent
         80 s compiling a kernel): a full chunk (the expanded attention form), the same prompt again (a short chunk
         over a cached prefix: the absorbed form), a short sampled prompt beside it (mixed steps, the sampler), and
-        a few decode steps (CUDA graph replays)."""
+        a few decode steps (CUDA graph replays). On the CPU nothing compiles, so a short prompt does."""
         if not self.cfg.warmup:
+            self.test_step_delay_s = self.cfg.test_step_delay_s
             return
         started = time.monotonic()
-        chunk = max(1, min(self.cfg.engine.max_num_batched_tokens, self.engine.max_model_len - 8))
+        chunk = self.cfg.engine.max_num_batched_tokens
+        if self.engine.device.type == "cpu":
+            chunk = min(chunk, CPU_WARMUP_TOKENS)
+        chunk = max(2, min(chunk, self.engine.max_model_len - 8))
         draw = random.Random(self.cfg.rank)
-        long_prompt = [draw.randrange(self.engine.model_config.vocab_size) for _ in range(chunk)]
-        short_prompt = long_prompt[:17]
+        vocab = self.engine.model_config.vocab_size
+        long_prompt = [draw.randrange(vocab) for _ in range(chunk)]
+        short_prompt = [draw.randrange(vocab) for _ in range(17)]
         greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         sampled = SamplingParams(max_tokens=4, temperature=1.0, top_p=0.9, top_k=5, seed=0, ignore_eos=True)
         await self._warm_up_request("warmup-long", long_prompt, greedy)
         await asyncio.gather(self._warm_up_request("warmup-again", long_prompt, greedy),
                              self._warm_up_request("warmup-short", short_prompt, sampled))
         self.warmup_s = time.monotonic() - started
-        self._step_delay_s = self.cfg.test_step_delay_s
+        self.test_step_delay_s = self.cfg.test_step_delay_s
         log.info("rank %s warmed up in %.1f s", self.cfg.rank, self.warmup_s)
 
     async def _warm_up_request(self, name: str, prompt: list[int], sampling: SamplingParams) -> None:
@@ -335,8 +350,8 @@ class RankRuntime:
             busy = self.lockstep.any_rank_busy(busy)
         if not busy:
             return []
-        if self._step_delay_s:
-            time.sleep(self._step_delay_s)
+        if self.test_step_delay_s:
+            time.sleep(self.test_step_delay_s)
         outputs = self.engine.step(force_forward=self.lockstep is not None)
         self._steps_completed += 1
         return outputs
