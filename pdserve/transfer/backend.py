@@ -21,7 +21,7 @@ OnNotification = Callable[[str, bytes], None]
 class WriteResult:
     num_bytes: int
     num_descriptors: int  # byte ranges moved: one per (layer, run of pages consecutive on both sides)
-    seconds: float  # from posting the write to its completion being seen
+    seconds: float  # from asking for the write to seeing it complete (its wait to be posted included)
 
 
 class TransferBackend(Protocol):

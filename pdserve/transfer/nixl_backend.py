@@ -2,7 +2,8 @@
 watches them complete and collects the notifications of writes into this pool, and reports both as events.
 
 The agent is not thread-safe, so only this thread touches it. While writes are in flight or notifications are
-awaited the thread checks NIXL every 10 to 500 us (backing off while nothing happens); otherwise it sleeps on its
+awaited the thread checks NIXL every 10 to 50 us while writes are in flight (they take about a millisecond) and up to
+every 500 us while it only awaits notifications (for as long as a prefill computes); otherwise it sleeps on its
 command queue. Without NIXL's own progress thread these checks are also what advances UCX (docs/transfer.md).
 """
 
@@ -22,7 +23,8 @@ from pdserve.transfer.errors import TransferError, TransferTimeout
 
 log = logging.getLogger(__name__)
 MIN_PAUSE_S = 10e-6
-MAX_PAUSE_S = 500e-6
+MAX_PAUSE_WRITING_S = 50e-6  # its completion time is the transfer time the service measures
+MAX_PAUSE_LISTENING_S = 500e-6
 IDLE_WAIT_S = 0.05  # nothing in flight or awaited: notifications nobody waits for are drained this often
 JOIN_TIMEOUT_S = 5.0
 
@@ -31,7 +33,8 @@ JOIN_TIMEOUT_S = 5.0
 class _Write:
     handle: TransferHandle
     future: Future
-    deadline_s: float  # monotonic
+    requested_s: float  # monotonic, when write() was called: the time a write takes includes its wait to be posted
+    deadline_s: float
 
 
 class NixlBackend:
@@ -67,6 +70,7 @@ class NixlBackend:
               timeout_s: float, layers: range | None = None) -> Future[WriteResult]:
         future: Future[WriteResult] = Future()
         src, dst = list(src_page_ids), list(dst_page_ids)
+        requested_s = time.monotonic()
 
         def post() -> None:
             if not future.set_running_or_notify_cancel():
@@ -76,7 +80,7 @@ class NixlBackend:
             except Exception as error:  # noqa: BLE001 - handed to the caller
                 future.set_exception(error)
                 return
-            self._writes.append(_Write(handle, future, handle.started_s + timeout_s))
+            self._writes.append(_Write(handle, future, requested_s, handle.started_s + timeout_s))
 
         self._commands.put(post)
         return future
@@ -108,7 +112,7 @@ class NixlBackend:
                 pause_s = MIN_PAUSE_S
             else:
                 time.sleep(pause_s)
-                pause_s = min(2 * pause_s, MAX_PAUSE_S)
+                pause_s = min(2 * pause_s, MAX_PAUSE_WRITING_S if self._writes else MAX_PAUSE_LISTENING_S)
         for write in self._writes:
             self._agent.release(write.handle)
             write.future.set_exception(TransferError(f"transfer backend {self.name} closed"))
@@ -148,7 +152,7 @@ class NixlBackend:
             self._agent.release(write.handle)  # cancels one still pending
             handle = write.handle
             if state == "done":
-                seconds = time.monotonic() - handle.started_s
+                seconds = time.monotonic() - write.requested_s
                 write.future.set_result(WriteResult(handle.num_bytes, handle.num_descriptors, seconds))
             elif state == "error":
                 write.future.set_exception(TransferError(f"write to {handle.peer!r} failed: {handle.error}"))
