@@ -46,6 +46,11 @@ pdserve.io/pool: {{ .name }}
 - --page-size=$(PDSERVE_PAGE_SIZE)
 - --gpu-memory-fraction=$(PDSERVE_GPU_MEMORY_FRACTION)
 - --drain-timeout-s={{ .root.Values.worker.terminationGracePeriodSeconds }}
+{{- /* Hand-off peers: the pods discovery names, under the URL it names them by (the pod IP). */}}
+- --advertise-url=http://$(POD_IP):{{ .root.Values.worker.port }}
+- --discovery=k8s
+- --k8s-namespace={{ .root.Release.Namespace }}
+- --k8s-label-selector={{ include "pdserve.discoverySelector" .root }}
 {{- range .root.Values.worker.extraArgs }}
 - {{ . | quote }}
 {{- end }}
