@@ -89,11 +89,13 @@ def _error(status: int, message: str) -> JSONResponse:
 
 
 def build_worker_app(cfg: WorkerConfig, ranks: RankSet, info: WorkerInfo, guard: HandoffGuard,
-                     gate: DrainGate | None = None, start_s: float = 0.0) -> FastAPI:
-    """`guard`: the checks on hand-off plans (peers from discovery); `start_s`: how long the worker took to start."""
+                     gate: DrainGate | None = None, ready_s: list[float] | None = None) -> FastAPI:
+    """`guard`: the checks on hand-off plans (peers from discovery); `ready_s`: per rank, the seconds from the worker's
+    start until the rank was ready."""
     gate = gate or DrainGate()
     metrics = WorkerMetrics(info.model, cfg.role)
-    metrics.start_seconds.labels(info.model, cfg.role).set(start_s)
+    for rank, seconds in enumerate(ready_s or []):
+        metrics.start_seconds.labels(info.model, cfg.role, str(rank)).set(seconds)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

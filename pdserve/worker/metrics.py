@@ -23,8 +23,8 @@ class WorkerMetrics:
             LABELS, buckets=TRANSFER_BUCKETS_S, registry=self.registry,
         )
         self.start_seconds = Gauge("pdserve_worker_start_seconds",
-                                   "Seconds from the worker's start to serving (model load and warm-up included)",
-                                   ["model", "role"], registry=self.registry)
+                                   "Seconds from the worker's start until the rank was ready (model load, warm-up)",
+                                   LABELS, registry=self.registry)
         self.registry.register(self)
 
     def update(self, rank: int, engine_stats: dict, counters: HandoffCounters) -> None:

@@ -14,7 +14,7 @@ from pdserve.disagg.guard import HandoffGuard
 from pdserve.http.slow_clients import SlowClientLimits, bounded_h11
 from pdserve.model.config import ModelConfig
 from pdserve.wire.client import WorkerClient
-from pdserve.wire.protocol import API_VERSION, Reservation, ReservationQuery, WorkerInfo
+from pdserve.wire.protocol import API_VERSION, RankInfo, Reservation, ReservationQuery, WorkerInfo
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.drain import SHUTDOWN_AFTER_DRAIN_S, DrainGate, DrainingServer
 from pdserve.worker.http_app import RankSet, build_worker_app
@@ -48,7 +48,7 @@ def run_worker(cfg: WorkerConfig) -> None:
     else:
         handles = start_ranks(rank_configs, gpus_per_rank)
         rank_set = RankSet(handles, stuck_after_s=cfg.stuck_step_timeout_s)
-    infos = asyncio.run(_gather_infos(handles))  # each rank answers once it has warmed up
+    infos, ready_s = asyncio.run(_gather_infos(handles, started))  # each rank answers once it has warmed up
     model_cfg = ModelConfig.from_dir(cfg.engine.model)
     info = WorkerInfo(
         api_version=API_VERSION,
@@ -58,11 +58,9 @@ def run_worker(cfg: WorkerConfig) -> None:
         ranks=infos,
     )
     gate = DrainGate()
-    start_s = time.monotonic() - started
-    app = build_worker_app(cfg, rank_set, info, _handoff_guard(cfg), gate, start_s)
-    warmup_s = max(r.warmup_s for r in infos)
-    print(f"pdserve worker: {cfg.role} serving on {cfg.url}, ready in {start_s:.1f} s (warm-up {warmup_s:.1f} s)",
-          flush=True)
+    app = build_worker_app(cfg, rank_set, info, _handoff_guard(cfg), gate, ready_s)
+    print(f"pdserve worker: {cfg.role} serving on {cfg.url}, ready in {time.monotonic() - started:.1f} s "
+          f"(warm-up {max(r.warmup_s for r in infos):.1f} s)", flush=True)
     # No send-stall bound here: the router reads a stream only as fast as its client does, and cuts it (and so
     # this stream) when that client stalls; a bound here would take a slow client for a failed worker.
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
@@ -83,5 +81,11 @@ def _handoff_guard(cfg: WorkerConfig) -> HandoffGuard:
     return HandoffGuard(peers, confirm_at)
 
 
-async def _gather_infos(handles):
-    return list(await asyncio.gather(*(h.info(RANK_START_TIMEOUT_S) for h in handles)))
+async def _gather_infos(handles, started: float) -> tuple[list[RankInfo], list[float]]:
+    """Each rank's info, once it has warmed up, and the seconds from `started` (monotonic) until then."""
+    async def ready(handle) -> tuple[RankInfo, float]:
+        info = await handle.info(RANK_START_TIMEOUT_S)
+        return info, time.monotonic() - started
+
+    answers = await asyncio.gather(*(ready(h) for h in handles))
+    return [info for info, _ in answers], [seconds for _, seconds in answers]
