@@ -144,3 +144,25 @@ def test_a_peer_with_another_page_shape_is_refused():
         writer.add_peer(other.metadata()).result(WAIT_S)
     writer.close()
     other.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("progress_thread", [True, False], ids=["progress-thread", "transfer-thread-only"])
+def test_a_vram_write_lands_exactly_on_the_gpu(progress_thread):
+    reader_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+    writer_kv, reader_kv = pool(12, seed=0).cuda(), pool(20, seed=1).to(reader_device)
+    expected = reader_kv.clone()
+    notifications = Notifications()
+    writer = open_nixl_backend(f"w-{uuid.uuid4().hex[:8]}", writer_kv, lambda *_: None, progress_thread)
+    reader = open_nixl_backend(f"r-{uuid.uuid4().hex[:8]}", reader_kv, notifications, progress_thread)
+    try:
+        peer = writer.add_peer(reader.metadata()).result(WAIT_S)
+        reader.expect_notifications(1)
+        writer.write(peer, [0, 1, 2, 9], [4, 5, 6, 0], b"vram", timeout_s=WAIT_S).result(WAIT_S)
+        assert notifications.next()[1] == b"vram"
+        expected[:, [4, 5, 6, 0]] = writer_kv[:, [0, 1, 2, 9]].to(reader_device)
+        assert torch.equal(reader_kv, expected)
+    finally:
+        writer.close()
+        reader.close()
