@@ -6,21 +6,16 @@ Queues a request passes through:
   prefill: disagg Sender: COMPUTING (engine, pages kept) -> WRITING (transfer thread) -> DONE -> stream
   decode:  disagg Receiver: RESERVED -> PREFILL_REQUESTED -> CONFIRMED -> FIRST_TOKEN -> KV_ARRIVED -> DECODING
            (engine.running from the prefill's first token) -> stream
-The engine is touched only by the step thread; async callers hand it closures (`_call`). The step thread publishes
-what load, stats and health need after its turns (`RankSnapshot`), so they are answered without waiting on it.
+The engine is touched only by its step thread (`step_loop.py`); async callers hand it closures. Load, stats and
+health come from the snapshot that thread publishes, never waiting on it.
 """
 
 import asyncio
-import concurrent.futures
 import logging
-import queue
-import random
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass
-from typing import Any, TypeVar
 
 import httpx
 import torch
@@ -37,7 +32,7 @@ from pdserve.disagg.receiver import (
 )
 from pdserve.disagg.sender import Sender
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.engine import Engine, EngineStats, NoCapacityError, RequestOutput
+from pdserve.engine.engine import Engine, NoCapacityError, RequestOutput
 from pdserve.engine.lockstep import Lockstep
 from pdserve.model.config import ModelConfig
 from pdserve.ops.moe import ExpertRange
@@ -56,14 +51,11 @@ from pdserve.wire.protocol import (
     Role,
     TokenEvent,
 )
-from pdserve.wire.sampling import SamplingParams
 from pdserve.worker.kv_event_log import KVEventLog
+from pdserve.worker.step_loop import StepLoop
+from pdserve.worker.warm_up import warm_up
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-SNAPSHOT_INTERVAL_S = 0.01  # engine stats are published at most this often (reading them costs ~0.1 ms)
-IDLE_WAIT_S = 0.005  # an idle step thread waits this long for a command before it turns again
-CPU_WARMUP_TOKENS = 128
 
 OpenBackend = Callable[[str, torch.Tensor, OnNotification], TransferBackend]
 
@@ -84,18 +76,6 @@ class RankConfig:
     clock_margin_s: float = CLOCK_MARGIN_S  # how far host clocks may disagree, for write deadlines
 
 
-class InstanceBroken(RuntimeError):
-    """An expert-parallel rank lost its peers (a collective failed); the instance must be re-formed."""
-
-
-@dataclass(frozen=True)
-class RankSnapshot:
-    """What the step thread last published; any thread reads it without waiting on the step thread."""
-
-    engine: EngineStats
-    steps_completed: int
-
-
 class _EnginePort:
     """The engine as the hand-off roles reach it: each call runs on the step thread."""
 
@@ -104,28 +84,28 @@ class _EnginePort:
         self._engine = runtime.engine
 
     async def reserve(self, request: GenerateRequest) -> list[int]:
-        reserved = await self._runtime._call(
+        reserved = await self._runtime.steps.call(
             lambda: self._engine.reserve(request.request_id, request.prompt_token_ids, request.sampling))
         return list(reserved.page_ids)
 
     async def free(self, request_id: str) -> None:
-        await self._runtime._call(lambda: self._engine.abort(request_id))
+        await self._runtime.steps.call(lambda: self._engine.abort(request_id))
 
     abort = free
 
     async def start_decoding(self, request_id: str, first: TokenEvent) -> TokenEvent:
         logprob = first.logprobs[0] if first.logprobs else None
-        output = await self._runtime._call(lambda: self._engine.start_decoding(request_id, first.token_ids[0], logprob))
+        output = await self._runtime.steps.call(lambda: self._engine.start_decoding(request_id, first.token_ids[0], logprob))
         event = self._runtime._event(output)
         event.cached_tokens = first.cached_tokens
         return event
 
     async def add_prefill_only(self, request: GenerateRequest) -> None:
-        await self._runtime._call(
+        await self._runtime.steps.call(
             lambda: self._engine.add_prefill_only(request.request_id, request.prompt_token_ids, request.sampling))
 
     async def release(self, request_id: str) -> None:
-        await self._runtime._call(lambda: self._engine.release(request_id))
+        await self._runtime.steps.call(lambda: self._engine.release(request_id))
 
 
 class RankRuntime:
@@ -156,17 +136,10 @@ class RankRuntime:
             ReceiverConfig(cfg.rank, cfg.worker_url, cfg.prefill_timeout_s, cfg.transfer_timeout_s, cfg.clock_margin_s),
             self.backend, port,
             prefill_link or (lambda source: WorkerClient(source.url, self._http)), self.counters)
-        self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.Queue()
         self._streams: dict[str, asyncio.Queue[TokenEvent]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._broken: str | None = None
-        self._steps_completed = 0
-        self._snapshot = RankSnapshot(self.engine.stats(), 0)
-        self._published_s = self._turned_s = time.monotonic()
+        self.steps = StepLoop(self.engine, cfg.rank, self.lockstep, self._route_output, self._fail_everything)
         self._warm_up_task: asyncio.Future | None = None
-        self.test_step_delay_s = 0.0  # the test hook (cfg.test_step_delay_s), armed after warm-up
         self.warmup_s = 0.0
 
     def _expert_parallel_engine(self, cfg: RankConfig) -> tuple[Engine, Lockstep]:
@@ -181,10 +154,8 @@ class RankRuntime:
 
     # --- lifecycle --------------------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self._thread is None:
-            self._loop = loop
-            self._thread = threading.Thread(target=self._run, name=f"rank-{self.cfg.rank}-step", daemon=True)
-            self._thread.start()
+        self._loop = loop
+        self.steps.start()
 
     def start_warm_up(self) -> None:
         if self._warm_up_task is None:
@@ -202,9 +173,7 @@ class RankRuntime:
         return task is not None and task.done() and not task.cancelled() and task.exception() is None
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        self.steps.stop()
         self.backend.close()
 
     def info(self) -> RankInfo:
@@ -212,14 +181,14 @@ class RankRuntime:
                         self.warmup_s)
 
     def load(self) -> RankLoad:
-        snapshot = self._snapshot
+        snapshot = self.steps.snapshot
         stats = snapshot.engine
         return RankLoad(self.cfg.rank, stats.running, stats.waiting, stats.free_pages, stats.total_pages,
-                        stats.prefix_cache_pages, self._steps_completed, time.monotonic() - self._turned_s,
+                        stats.prefix_cache_pages, snapshot.steps_completed, time.monotonic() - snapshot.turned_s,
                         not self.warmed_up)
 
     def stats(self) -> tuple[dict, HandoffCounters]:
-        return asdict(self._snapshot.engine), self.counters.drain()
+        return asdict(self.steps.snapshot.engine), self.counters.drain()
 
     # --- requests ---------------------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest, reservation: Reservation | None = None) -> AsyncIterator[TokenEvent]:
@@ -250,12 +219,12 @@ class RankRuntime:
         if self.sender.holds(request_id):
             await self.sender.abort(request_id)
         elif request_id in self.engine.requests and not self.receiver.holds(request_id):
-            await self._call(lambda: self.engine.abort(request_id))
+            await self.steps.call(lambda: self.engine.abort(request_id))
 
     async def abort(self, request_id: str) -> bool:
         if self.receiver.abort(request_id) or await self.sender.abort(request_id):
             return True  # the hand-off ends the stream
-        found = await self._call(lambda: self.engine.abort(request_id))
+        found = await self.steps.call(lambda: self.engine.abort(request_id))
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.put_nowait(TokenEvent(request_id, [], finish_reason="abort"))
@@ -269,7 +238,7 @@ class RankRuntime:
         plan, request_id = request.plan, request.request_id
         try:
             if plan.kind == "both":
-                await self._call(lambda: self.engine.add_request(request_id, request.prompt_token_ids, request.sampling))
+                await self.steps.call(lambda: self.engine.add_request(request_id, request.prompt_token_ids, request.sampling))
                 return None
             if plan.kind == "prefill":
                 if reservation is None:
@@ -285,111 +254,17 @@ class RankRuntime:
             return self._error(request_id, str(error))
 
     async def kv_events_after(self, after: int) -> list[KVEventBatch]:
-        return await self._call(lambda: self.kv_events.after(after, self.engine.prefix_cache.stored_blocks))
+        return await self.steps.call(lambda: self.kv_events.after(after, self.engine.prefix_cache.stored_blocks))
 
-    # --- warm-up ----------------------------------------------------------------------------------------------
     async def _warm_up(self) -> None:
-        """Every kernel variant a rank runs, through the engine, before it reports ready (a first prefill once spent
-        80 s compiling a kernel): a full chunk (the expanded attention form), the same prompt again (a short chunk
-        over a cached prefix: the absorbed form), a short sampled prompt beside it (mixed steps, the sampler), and
-        a few decode steps (CUDA graph replays). On the CPU nothing compiles, so a short prompt does."""
-        if not self.cfg.warmup:
-            self.test_step_delay_s = self.cfg.test_step_delay_s
-            return
         started = time.monotonic()
-        chunk = self.cfg.engine.max_num_batched_tokens
-        if self.engine.device.type == "cpu":
-            chunk = min(chunk, CPU_WARMUP_TOKENS)
-        chunk = max(2, min(chunk, self.engine.max_model_len - 8))
-        draw = random.Random(self.cfg.rank)
-        vocab = self.engine.model_config.vocab_size
-        long_prompt = [draw.randrange(vocab) for _ in range(chunk)]
-        short_prompt = [draw.randrange(vocab) for _ in range(17)]
-        greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        sampled = SamplingParams(max_tokens=4, temperature=1.0, top_p=0.9, top_k=5, seed=0, ignore_eos=True)
-        await self._warm_up_request("warmup-long", long_prompt, greedy)
-        await asyncio.gather(self._warm_up_request("warmup-again", long_prompt, greedy),
-                             self._warm_up_request("warmup-short", short_prompt, sampled))
-        self.warmup_s = time.monotonic() - started
-        self.test_step_delay_s = self.cfg.test_step_delay_s
-        log.info("rank %s warmed up in %.1f s", self.cfg.rank, self.warmup_s)
+        if self.cfg.warmup:
+            await warm_up(self.engine, self.cfg.rank, self.generate)
+            self.warmup_s = time.monotonic() - started
+            log.info("rank %s warmed up in %.1f s", self.cfg.rank, self.warmup_s)
+        self.steps.test_step_delay_s = self.cfg.test_step_delay_s
 
-    async def _warm_up_request(self, name: str, prompt: list[int], sampling: SamplingParams) -> None:
-        request = GenerateRequest(f"{name}-{uuid.uuid4().hex[:8]}", self.cfg.rank, prompt, sampling)
-        async for event in self.generate(request):
-            if event.finish_reason == "error":
-                raise RuntimeError(f"rank {self.cfg.rank} warm-up failed: {event.error}")
-
-    # --- the step thread --------------------------------------------------------------------------------------
-    async def _call(self, fn: Callable[[], T]) -> T:
-        if self._broken is not None:
-            raise InstanceBroken(self._broken)
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put((fn, future))
-        if self._broken is not None:  # broke while we queued: fail what the step thread will never run
-            self._break(self._broken)
-        return await asyncio.wrap_future(future)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._run_commands(block=not self.engine.has_work())
-            try:
-                for output in self._step():
-                    self._route_output(output)
-            except Exception:  # noqa: BLE001 - a step failure must reach every caller, not kill the thread silently
-                log.exception("rank %s step failed", self.cfg.rank)
-                self._fail_everything("engine step failed")
-                if self.lockstep is not None:  # a peer is gone: no later collective can succeed
-                    self._break(f"rank {self.cfg.rank} lost its expert-parallel peers")
-                    return
-            self._turned()
-
-    def _step(self) -> list[RequestOutput]:
-        busy = self.engine.has_work()
-        if self.lockstep is not None:
-            busy = self.lockstep.any_rank_busy(busy)
-        if not busy:
-            return []
-        if self.test_step_delay_s:
-            time.sleep(self.test_step_delay_s)
-        outputs = self.engine.step(force_forward=self.lockstep is not None)
-        self._steps_completed += 1
-        return outputs
-
-    def _turned(self) -> None:
-        """One turn of the loop is over: the heartbeat health reads, and now and then the engine's figures."""
-        now = self._turned_s = time.monotonic()
-        if now - self._published_s >= SNAPSHOT_INTERVAL_S:
-            self._snapshot = RankSnapshot(self.engine.stats(), self._steps_completed)
-            self._published_s = now
-
-    def _break(self, message: str) -> None:
-        """Stop taking work and fail whatever is queued, so no caller waits on a step thread that has ended."""
-        self._broken = message
-        while True:
-            try:
-                _, future = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if future.set_running_or_notify_cancel():
-                future.set_exception(InstanceBroken(message))
-
-    def _run_commands(self, block: bool) -> None:
-        try:
-            fn, future = self._commands.get(timeout=IDLE_WAIT_S if block else 0)
-        except queue.Empty:
-            return
-        while True:
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as error:  # noqa: BLE001 - handed to the awaiting caller
-                    future.set_exception(error)
-            try:
-                fn, future = self._commands.get_nowait()
-            except queue.Empty:
-                return
-
+    # --- on the step thread -----------------------------------------------------------------------------------
     def _route_output(self, output: RequestOutput) -> None:
         event = self._event(output)
         request = self.engine.requests.get(output.request_id)

@@ -111,7 +111,7 @@ class Pair:
         self.prefill_worker.mode, self.prefill_worker.drop_aborts = "normal", False
         for faults in (self.prefill_faults, self.decode_faults):
             faults.write_delay_s, faults.write_error, faults.drop_notifications = 0.0, None, False
-        self.prefill.test_step_delay_s = self.decode.test_step_delay_s = 0.0
+        self.prefill.steps.test_step_delay_s = self.decode.steps.test_step_delay_s = 0.0
 
     def close(self) -> None:
         for runtime in (self.prefill, self.decode):

@@ -176,7 +176,7 @@ def test_prefill_death_after_the_confirm_quarantines_the_reservation_then_frees_
 
 def test_decode_death_fails_the_write_and_frees_the_prefill_pages(fresh):
     rid = new_id("decode-died")
-    fresh.prefill.test_step_delay_s = 0.3  # time to lose the decode rank while the prefill computes
+    fresh.prefill.steps.test_step_delay_s = 0.3  # time to lose the decode rank while the prefill computes
     failures = fresh.prefill.counters.kv_transfer_failures
     running = fresh.start_disaggregated(rid, PROMPT, GREEDY)
     wait_for_state(fresh.prefill.sender, rid, SenderState.COMPUTING)
@@ -196,7 +196,7 @@ def test_abort_during_each_receiver_state_ends_with_abort(fresh, state):
     if state is ReceiverState.PREFILL_REQUESTED:
         fresh.prefill_worker.mode = "hang"
     elif state is ReceiverState.CONFIRMED:
-        fresh.prefill.test_step_delay_s = 0.5  # the prefill computes while the reservation is confirmed
+        fresh.prefill.steps.test_step_delay_s = 0.5  # the prefill computes while the reservation is confirmed
     running = fresh.start_disaggregated(rid, PROMPT, LONG)
     if state is ReceiverState.DECODING:
         assert eventually(lambda: fresh.decode.load().running == 1, timeout_s=10, interval_s=0.002)
@@ -210,7 +210,7 @@ def test_abort_during_each_receiver_state_ends_with_abort(fresh, state):
 def test_abort_during_each_sender_state_frees_the_prefill_pages(fresh, state):
     rid = new_id(f"abort-{state.value}")
     if state is SenderState.COMPUTING:
-        fresh.prefill.test_step_delay_s = 0.5
+        fresh.prefill.steps.test_step_delay_s = 0.5
     else:
         fresh.prefill_faults.write_delay_s = 0.4
     running = fresh.start_disaggregated(rid, PROMPT, GREEDY)
@@ -222,7 +222,7 @@ def test_abort_during_each_sender_state_frees_the_prefill_pages(fresh, state):
 
 def test_a_prefill_that_finishes_after_the_write_deadline_never_writes(fresh):
     rid = new_id("late")
-    fresh.prefill.test_step_delay_s = HANDOFF_BOUND_S + 0.5  # the decode rank gives up before the prefill is done
+    fresh.prefill.steps.test_step_delay_s = HANDOFF_BOUND_S + 0.5  # the decode rank gives up before the prefill is done
     fresh.prefill_worker.drop_aborts = True  # and its abort is lost: only the deadline stops the write
     counters = fresh.prefill.counters
     written, failures = counters.kv_transfer_bytes, counters.kv_transfer_failures
