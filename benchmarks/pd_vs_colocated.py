@@ -1,92 +1,203 @@
-"""Colocated against disaggregated on the same machine, model and seeded workload (issue 9's experiment).
+"""Colocated against disaggregated on the same machine, model and workload: one deployment per invocation.
 
-Starts each deployment as a local cluster (colocated: 2 `both` workers; disaggregated: 1 prefill + 1 decode;
-conditional: the same P/D workers with the router prefilling prompts of at most --local-prefill-max-tokens on the
-decode worker while the prefill rank is busy), runs the workload at each request rate, and writes the sweeps as
-JSON, a goodput-against-rate plot, latency CDFs at one rate all ran, and comparison tables at that rate.
+`run` starts ONE deployment as a local cluster (colocated: 2 `both` workers; pd: 1 prefill + 1 decode; conditional:
+the same P/D workers with the router prefilling short prompts on the decode worker when that is faster), replays the
+workload at each rate in turn and writes the results after every rate, so a run cut short by a command limit (the
+GPU host allows 600 s per command) keeps what it measured. Every rate replays a workload of its own seed: no prompt
+of one rate can hit the prefix cache warmed by another. The cluster processes' logs are packed beside the results.
+`compare` reads the results of several runs and prints the tables and plots.
 
-    python benchmarks/pd_vs_colocated.py [--preset mixed-cpu] [--rates 1,2,4] [--num-requests 40] [--out-dir docs/bench]
+    python benchmarks/pd_vs_colocated.py run --deployment pd --rates 1,2,4 --out docs/bench-cpu          # tiny model, CPU
+    python benchmarks/pd_vs_colocated.py run --deployment pd --gpu --rates 8,16,20 --out $OUT --deadline-s 540
+    python benchmarks/pd_vs_colocated.py compare --out docs/bench-cpu
 """
 
 import argparse
+import json
+import re
+import tarfile
+import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
+
+import httpx
 
 from pdserve.bench.client import RunLimits
 from pdserve.bench.plot import plot_goodput_vs_rate, plot_latency_cdfs
 from pdserve.bench.presets import PRESETS, workload_from_preset
-from pdserve.bench.report import SLO, compare_table, write_json
+from pdserve.bench.report import SLO, compare_table, read_json, summary_lines, within_slo, write_json
 from pdserve.bench.runner import run_benchmark
-from pdserve.bench.sweep import SweepConfig, sweep_rates
-from pdserve.cli.generate import default_model_dir
+from pdserve.bench.workload import LengthRange
 from pdserve.cluster.local import ClusterConfig, LocalCluster
 
-PD = dict(num_prefill=1, num_decode=1, num_both=0)
-DEPLOYMENTS = {"colocated": dict(num_prefill=0, num_decode=0, num_both=2), "disaggregated": PD, "conditional": PD}
+ROLES = {"colocated": dict(num_prefill=0, num_decode=0, num_both=2),
+         "pd": dict(num_prefill=1, num_decode=1, num_both=0),
+         "conditional": dict(num_prefill=1, num_decode=1, num_both=0)}
+V2_LITE = Path(__file__).resolve().parents[1] / "pdserve" / "model" / "configs" / "deepseek-v2-lite.json"
+# Summed over every sample of the family (all ranks): what moved between the workers during one rate.
+SCRAPED = ("pdserve_kv_transfer_bytes_total", "pdserve_kv_transfer_seconds_sum", "pdserve_kv_transfer_seconds_count",
+           "pdserve_kv_transfer_failures_total", "pdserve_router_local_prefills_total")
+
+
+def scrape_totals(url: str) -> dict[str, float]:
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    totals = {}
+    for name in SCRAPED:
+        values = re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+        if values:
+            totals[name] = sum(float(v) for v in values)
+    return totals
+
+
+def kv_rate_text(moved: dict[str, float]) -> str:
+    seconds, count = moved.get("pdserve_kv_transfer_seconds_sum", 0.0), moved.get("pdserve_kv_transfer_seconds_count", 0.0)
+    if not seconds or not count:
+        return "-"
+    num_bytes = moved.get("pdserve_kv_transfer_bytes_total", 0.0)
+    return f"{num_bytes / seconds / 1e9:.1f} GB/s ({num_bytes / count / 1e6:.3g} MB, {seconds / count * 1e3:.1f} ms/write)"
+
+
+def cluster_config(args: argparse.Namespace, log_dir: Path) -> tuple[ClusterConfig, str]:
+    if args.gpu:
+        from pdserve.model.tiny import make_config_only_model
+
+        model = str(make_config_only_model(tempfile.mkdtemp(), json.loads(V2_LITE.read_text())))
+        worker_args = ["--dtype", "bfloat16", "--load-format", "random", "--gpus-per-rank", "1", "--page-size", "64",
+                       "--max-num-seqs", "256", "--max-num-batched-tokens", "8192"]
+        preset = args.preset or "mixed"
+    else:
+        from pdserve.cli.generate import default_model_dir
+
+        model, worker_args, preset = str(default_model_dir()), ["--dtype", "float32"], args.preset or "mixed-cpu"
+    if not args.prefix_cache:
+        worker_args.append("--no-prefix-cache")
+    router_args = ("--local-prefill-max-tokens", str(args.local_prefill_max_tokens)) if args.deployment == "conditional" else ()
+    cfg = ClusterConfig(model, port=0, worker_args=tuple(worker_args + args.worker_args.split()), router_args=router_args,
+                        start_timeout_s=480.0, log_dir=str(log_dir), **ROLES[args.deployment])
+    return cfg, preset
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(tempfile.mkdtemp(prefix=f"pdserve-{args.deployment}-logs-"))
+    cfg, preset = cluster_config(args, log_dir)
+    slo = SLO(args.slo_ttft_s, args.slo_itl_p99_s)
+    rates = [float(r) for r in args.rates.split(",")]
+    record: dict = {"deployment": args.deployment, "preset": preset, "worker_args": list(cfg.worker_args),
+                    "router_args": list(cfg.router_args), "slo": {"ttft_s": slo.ttft_s, "itl_p99_s": slo.itl_p99_s},
+                    "points": [], "skipped": []}
+    rows = []
+    try:
+        with LocalCluster(cfg) as cluster:
+            record["startup_s"] = time.monotonic() - started
+            print(f"[{time.monotonic() - started:5.0f} s] {args.deployment} up: {cluster.url}", flush=True)
+            base = workload_from_preset(preset, num_requests=args.min_requests, seed=args.seed, request_rate=rates[0])
+            warm = replace(base, seed=args.seed + 10_000, num_requests=8, request_rate=None, max_concurrency=2,
+                           long_fraction=0.5, output_len=LengthRange(4, 8))
+            run_benchmark(cluster.url, warm, slo, RunLimits(request_timeout_s=300.0, run_timeout_s=400.0), progress=False)
+            for index, rate in enumerate(rates):
+                num_requests = max(args.min_requests, round(rate * args.window_s))
+                arrivals_s = num_requests / rate
+                left_s = args.deadline_s - (time.monotonic() - started)
+                if arrivals_s + args.drain_s > left_s:
+                    print(f"skip {rate:g} req/s: {arrivals_s + args.drain_s:.0f} s needed, {left_s:.0f} s left", flush=True)
+                    record["skipped"].append(rate)
+                    continue
+                workload = replace(base, seed=args.seed + 1 + index, num_requests=num_requests, request_rate=rate)
+                before = {w.name: scrape_totals(w.url) for w in cluster.workers} | {"router": scrape_totals(cluster.url)}
+                result = run_benchmark(cluster.url, workload, slo,
+                                       RunLimits(request_timeout_s=180.0, run_timeout_s=arrivals_s + args.drain_s),
+                                       progress=False, label=f"{args.deployment} {rate:g}/s")
+                after = {w.name: scrape_totals(w.url) for w in cluster.workers} | {"router": scrape_totals(cluster.url)}
+                moved = {name: {k: v - before[name].get(k, 0.0) for k, v in totals.items()} for name, totals in after.items()}
+                kv = {k: sum(m.get(k, 0.0) for m in moved.values()) for k in SCRAPED}
+                summary = result["summary"]
+                point = {"request_rate": rate, "meets_slo": within_slo(summary, slo), "summary": summary, "moved": moved,
+                         "errors": sorted({r["error"][:200] for r in result["requests"] if not r["ok"]})[:5]}
+                record["points"].append({**point, "result": result})
+                rows.append(row(args.deployment, rate, summary, point["meets_slo"], kv))
+                print(f"[{time.monotonic() - started:5.0f} s] {args.deployment} {rate:g} req/s:\n{summary_lines(summary)}"
+                      f"\n  KV transfer: {kv_rate_text(kv)}; local prefills: {kv['pdserve_router_local_prefills_total']:.0f}"
+                      + (f"\n  errors: {point['errors']}" if point["errors"] else ""), flush=True)
+                write_json(out / f"{args.deployment}.json", record)
+    finally:
+        write_json(out / f"{args.deployment}.json", record)
+        with tarfile.open(out / f"{args.deployment}_logs.tar.gz", "w:gz") as packed:
+            packed.add(log_dir, arcname=f"{args.deployment}_logs")
+        print("\n" + TABLE_HEAD + "\n" + "\n".join(rows), flush=True)
+    return 0
+
+
+TABLE_HEAD = ("| deployment | rate (req/s) | completed | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | ITL p99 (ms) "
+              "| output tok/s | goodput (req/s) | meets SLO | KV transfer |\n"
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
+
+
+def row(name: str, rate: float, s: dict, meets: bool, kv: dict[str, float]) -> str:
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1e3:.0f}" if value >= 0.1 else f"{value * 1e3:.1f}"
+
+    return (f"| {name} | {rate:g} | {s['completed']}/{s['num_requests']} | {ms(s['ttft_s']['p50'])} | "
+            f"{ms(s['ttft_s']['p99'])} | {ms(s['itl_s']['p50'])} | {ms(s['itl_s']['p99'])} | "
+            f"{s['output_tokens_per_s']:,.0f} | {s['goodput_requests_per_s']:.2f} | {'yes' if meets else 'no'} | "
+            f"{kv_rate_text(kv)} |")
+
+
+def compare(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    records = {name: read_json(out / f"{name}.json") for name in ROLES if (out / f"{name}.json").exists()}
+    if not records:
+        raise SystemExit(f"no results in {out}: run `run --deployment ...` first")
+    print(TABLE_HEAD)
+    for name, record in records.items():
+        for point in record["points"]:
+            kv = {k: sum(m.get(k, 0.0) for m in point["moved"].values()) for k in SCRAPED}
+            print(row(name, point["request_rate"], point["summary"], point["meets_slo"], kv))
+    for name, record in records.items():
+        best = max((p["request_rate"] for p in record["points"] if p["meets_slo"]), default=None)
+        print(f"{name}: highest rate meeting the SLO: {best}")
+    plot_goodput_vs_rate({name: r["points"] for name, r in records.items()}, out / "goodput_vs_rate.png")
+    common = set.intersection(*({p["request_rate"] for p in r["points"]} for r in records.values()))
+    if common and len(records) > 1:
+        rate = min(common)
+        at_rate = {name: next(p["result"] | {"label": name} for p in r["points"] if p["request_rate"] == rate)
+                   for name, r in records.items()}
+        plot_latency_cdfs(list(at_rate.values()), out / f"latency_cdf_{rate:g}rps.png")
+        names = list(at_rate)
+        for left, right in zip(names, names[1:]):
+            print(f"\nat {rate:g} req/s:\n" + compare_table(at_rate[left], at_rate[right], left, right))
+    return 0
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="model directory (default: the generated tiny model)")
-    parser.add_argument("--preset", choices=tuple(PRESETS), default="mixed-cpu")
-    parser.add_argument("--rates", default="1,2,4", help="comma-separated Poisson rates (req/s)")
-    parser.add_argument("--compare-rate", type=float, help="rate of the CDF plot and table (default: the lowest)")
-    parser.add_argument("--num-requests", type=int, default=40)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--slo-ttft-s", type=float, default=2.0)
-    parser.add_argument("--slo-itl-p99-s", type=float, default=0.05)
-    parser.add_argument("--worker-args", default="", help="extra `pdserve worker` flags, space-separated")
-    parser.add_argument("--local-prefill-max-tokens", type=int, default=256, help="the conditional deployment's threshold")
-    parser.add_argument("--local-prefill-min-queue", type=int, default=1)
-    parser.add_argument("--out-dir", default="bench-out")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run_parser = sub.add_parser("run", help="one deployment, every rate, results after each")
+    run_parser.add_argument("--deployment", choices=tuple(ROLES), required=True)
+    run_parser.add_argument("--gpu", action="store_true", help="DeepSeek-V2-Lite shape, random bf16 weights, 1 GPU/worker")
+    run_parser.add_argument("--preset", choices=tuple(PRESETS), help="default: mixed (GPU) or mixed-cpu")
+    run_parser.add_argument("--rates", default="1,2,4", help="Poisson rates (req/s), run in this order")
+    run_parser.add_argument("--window-s", type=float, default=25.0, help="requests per rate: max(min, rate x window)")
+    run_parser.add_argument("--min-requests", type=int, default=40)
+    run_parser.add_argument("--deadline-s", type=float, default=3600.0, help="skip a rate that would end after this")
+    run_parser.add_argument("--drain-s", type=float, default=45.0, help="allowed past the last arrival")
+    run_parser.add_argument("--seed", type=int, default=0)
+    run_parser.add_argument("--slo-ttft-s", type=float, default=2.0)
+    run_parser.add_argument("--slo-itl-p99-s", type=float, default=0.05)
+    run_parser.add_argument("--prefix-cache", action="store_true", help="keep the prefix cache on (default off)")
+    run_parser.add_argument("--local-prefill-max-tokens", type=int, default=4096, help="conditional: longest prompt")
+    run_parser.add_argument("--worker-args", default="", help="extra `pdserve worker` flags, space-separated")
+    run_parser.add_argument("--out", default="bench-out")
+    compare_parser = sub.add_parser("compare", help="tables and plots from the runs in --out")
+    compare_parser.add_argument("--out", default="bench-out")
     args = parser.parse_args()
-
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rates = tuple(float(rate) for rate in args.rates.split(","))
-    slo = SLO(args.slo_ttft_s, args.slo_itl_p99_s)
-    workload = workload_from_preset(args.preset, num_requests=args.num_requests, seed=args.seed, request_rate=rates[0])
-    model = args.model or str(default_model_dir())
-    sweeps = {}
-    for name, roles in DEPLOYMENTS.items():
-        router_args = ("--local-prefill-max-tokens", str(args.local_prefill_max_tokens), "--local-prefill-min-queue",
-                       str(args.local_prefill_min_queue)) if name == "conditional" else ()
-        cfg = ClusterConfig(model, port=0, worker_args=tuple(args.worker_args.split()), router_args=router_args, **roles)
-        with LocalCluster(cfg) as cluster:
-            # Warm-up with another seed, so first-call costs (allocations, lazy init) stay out of the figures.
-            run_benchmark(cluster.url, replace(workload, seed=args.seed + 1000, num_requests=8, request_rate=None,
-                                               max_concurrency=2, long_fraction=0.5), slo, progress=False)
-            sweeps[name] = sweep_rates(
-                lambda w, name=name, url=cluster.url: run_benchmark(
-                    url, w, slo, RunLimits(request_timeout_s=300.0, run_timeout_s=1200.0),
-                    label=f"{name} {w.request_rate:g}/s"),
-                workload, slo, SweepConfig(rates=rates, max_runs=len(rates)),
-            )
-        write_json(out_dir / f"{name}.json", sweeps[name])
-
-    plot_goodput_vs_rate({name: sweep["points"] for name, sweep in sweeps.items()}, out_dir / "goodput_vs_rate.png")
-    compare_rate = args.compare_rate or rates[0]
-    at_rate = {name: next(p["result"] for p in sweep["points"] if p["request_rate"] == compare_rate)
-               for name, sweep in sweeps.items()}
-    for name, result in at_rate.items():
-        result["label"] = name
-    plot_latency_cdfs(list(at_rate.values()), out_dir / f"latency_cdf_{compare_rate:g}rps.png")
-    print(f"\n{args.preset}, {args.num_requests} requests per rate, SLO TTFT <= {slo.ttft_s} s, "
-          f"ITL p99 <= {slo.itl_p99_s} s")
-    print("| deployment | rate (req/s) | TTFT p99 (ms) | ITL p99 (ms) | goodput (req/s) | meets SLO |")
-    print("| --- | ---: | ---: | ---: | ---: | --- |")
-    for name, sweep in sweeps.items():
-        for point in sweep["points"]:
-            s = point["summary"]
-            print(f"| {name} | {point['request_rate']:g} | {s['ttft_s']['p99'] * 1e3:.0f} | "
-                  f"{s['itl_s']['p99'] * 1e3:.1f} | {s['goodput_requests_per_s']:.2f} | {point['meets_slo']} |")
-    for name, sweep in sweeps.items():
-        print(f"{name}: highest rate meeting the SLO: {sweep['best_rate_meeting_slo']}")
-    print(f"\nat {compare_rate:g} req/s:")
-    print(compare_table(at_rate["colocated"], at_rate["disaggregated"], "colocated", "disaggregated"))
-    print()
-    print(compare_table(at_rate["disaggregated"], at_rate["conditional"], "disaggregated", "conditional"))
-    return 0
+    return run(args) if args.command == "run" else compare(args)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from pdserve.http.slow_clients import client_left
+from pdserve.text.generation_defaults import GenerationDefaults
 from pdserve.text.tokenizer import PromptTokenizer
 from pdserve_router import openai_schema as schema
 from pdserve_router.admission import Admission, authenticate, read_body_limited
@@ -25,6 +26,7 @@ from pdserve_router.metrics import RouterMetrics
 from pdserve_router.policies import LocalPrefillRule, make_policy
 from pdserve_router.prefix_index import PrefixIndex
 from pdserve_router.serving import Serving
+from pdserve_router.text_workers import TextWorkers
 from pdserve_router.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -51,14 +53,32 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
-def _openapi_request_body(request_type: type) -> dict:
-    (schema_ref,), components = msgspec.json.schema_components([request_type], ref_template="#/components/schemas/{name}")
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema_ref}}}}, components
+_ERRORS = {
+    400: "a field is malformed, out of range, or an OpenAI field this server does not implement (`param` names it)",
+    401: "missing or wrong API key",
+    404: "the model is not the one this router serves",
+    408: "the request did not arrive whole within --request-read-timeout-s",
+    413: "the body exceeds max_body_bytes",
+    429: "too many requests in flight (for the router or the API key); see Retry-After",
+}
+_ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
+
+
+def _openapi(request_type: type | None, statuses: tuple[int, ...]) -> tuple[dict, dict]:
+    """The route's OpenAPI additions (request body, every 4xx it returns) and the component schemas they use."""
+    types = [schema.ErrorResponse] + ([request_type] if request_type is not None else [])
+    refs, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
+    extra: dict = {"responses": {str(status): {"description": _ERRORS[status], "content": {"application/json": {"schema": _ERROR_REF}}}
+                                 for status in statuses}}
+    if request_type is not None:
+        extra["requestBody"] = {"required": True, "content": {"application/json": {"schema": refs[1]}}}
+    return extra, components
 
 
 def build_router_app(config: RouterConfig, discovery: Discovery | None = None) -> FastAPI:
     """The router app; `discovery` overrides the one the config names (tests, `pdserve up`)."""
     tokenizer = PromptTokenizer(config.model_dir)
+    text_workers = TextWorkers(config.text_threads)
     metrics = RouterMetrics(config.model_name, config.routing)
     parts = RouterParts(config, metrics, Admission(config.max_concurrent_requests, config.max_streams_per_api_key, config.retry_after_s))
 
@@ -77,6 +97,7 @@ def build_router_app(config: RouterConfig, discovery: Discovery | None = None) -
         parts.serving = Serving(
             tokenizer, dispatcher, metrics, config.model_name,
             lambda: config.max_model_len or pool.max_model_len(), config.max_n, config.max_tokens_limit, config.retry_after_s,
+            text_workers, config.max_prompt_chars, GenerationDefaults.from_model_dir(config.model_dir),
         )
         pool.start()
         try:
@@ -85,6 +106,7 @@ def build_router_app(config: RouterConfig, discovery: Discovery | None = None) -
             await pool.close()
             worker_discovery.close()
             await http.aclose()
+            text_workers.close()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.parts = parts
@@ -121,36 +143,68 @@ def build_router_app(config: RouterConfig, discovery: Discovery | None = None) -
             raise APIError(503, "the router is starting", type="server_error", headers={"Retry-After": "1"})
         if kind == "chat":
             parsed = schema.decode_request(body, schema.ChatCompletionRequest)
-            plans = parts.serving.plan_chat(parsed)
+            plan = await parts.serving.plan_chat(parsed)
         else:
             parsed = schema.decode_request(body, schema.CompletionRequest)
-            plans = parts.serving.plan_completion(parsed)
+            plan = await parts.serving.plan_completion(parsed)
         release = parts.admission.enter(api_key)
         try:
-            return await parts.serving.respond(kind, parsed, plans, request, arrival_s, release)
+            return await parts.serving.respond(kind, parsed, plan, request, arrival_s, release)
         except BaseException:
             release()
             raise
 
-    completion_body, completion_components = _openapi_request_body(schema.CompletionRequest)
-    chat_body, chat_components = _openapi_request_body(schema.ChatCompletionRequest)
+    generation_errors = (400, 401, 404, 408, 413, 429)
+    completion_extra, completion_components = _openapi(schema.CompletionRequest, generation_errors)
+    chat_extra, chat_components = _openapi(schema.ChatCompletionRequest, generation_errors)
+    tokenize_extra, tokenize_components = _openapi(schema.TokenizeRequest, (400, 401, 404, 408, 413))
+    detokenize_extra, detokenize_components = _openapi(schema.DetokenizeRequest, (400, 401, 404, 408, 413))
 
-    @app.post("/v1/completions", openapi_extra=completion_body)
+    @app.post("/v1/completions", openapi_extra=completion_extra)
     async def completions(request: Request) -> Response:
         return await handle_generation(request, "completion")
 
-    @app.post("/v1/chat/completions", openapi_extra=chat_body)
+    @app.post("/v1/chat/completions", openapi_extra=chat_extra)
     async def chat_completions(request: Request) -> Response:
         return await handle_generation(request, "chat")
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict:
-        check_key(request)
+    def model_card() -> dict:
         model = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "pdserve"}
         max_model_len = config.max_model_len or (parts.pool.max_model_len() if parts.pool else None)
         if max_model_len:
             model["max_model_len"] = max_model_len
-        return {"object": "list", "data": [model]}
+        return model
+
+    @app.get("/v1/models", openapi_extra=_openapi(None, (401,))[0])
+    async def models(request: Request) -> dict:
+        check_key(request)
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", openapi_extra=_openapi(None, (401, 404))[0])
+    async def model(request: Request) -> dict:
+        check_key(request)
+        model_id = request.path_params["model_id"]  # not a declared parameter: FastAPI would document a 422
+        if model_id != config.model_name:
+            raise APIError(404, f"The model `{model_id}` does not exist; this router serves `{config.model_name}`.",
+                           param="model", code="model_not_found")
+        return model_card()
+
+    async def text_request(request: Request, request_type: type) -> tuple:
+        check_key(request)
+        body = await read_body_limited(request, config.max_body_bytes)
+        if parts.serving is None:
+            raise APIError(503, "the router is starting", type="server_error", headers={"Retry-After": "1"})
+        return parts.serving, schema.decode_request(body, request_type)
+
+    @app.post("/tokenize", openapi_extra=tokenize_extra)
+    async def tokenize(request: Request) -> dict:
+        serving, parsed = await text_request(request, schema.TokenizeRequest)
+        return await serving.tokenize(parsed)
+
+    @app.post("/detokenize", openapi_extra=detokenize_extra)
+    async def detokenize(request: Request) -> dict:
+        serving, parsed = await text_request(request, schema.DetokenizeRequest)
+        return await serving.detokenize(parsed)
 
     @app.get("/health")
     async def health() -> dict:
@@ -168,7 +222,8 @@ def build_router_app(config: RouterConfig, discovery: Discovery | None = None) -
 
     def openapi_with_request_schemas() -> dict:
         document = original_openapi()
-        document.setdefault("components", {}).setdefault("schemas", {}).update({**completion_components, **chat_components})
+        document.setdefault("components", {}).setdefault("schemas", {}).update(
+            {**completion_components, **chat_components, **tokenize_components, **detokenize_components})
         return document
 
     app.openapi = openapi_with_request_schemas

@@ -28,6 +28,8 @@ class RouterConfig:
     api_keys: frozenset[str] = field(default_factory=frozenset)  # empty: no authentication
     # Limits: what a request may ask for before it is refused with a 4xx.
     max_body_bytes: int = 4 * 1024 * 1024
+    max_prompt_chars: int = 4 * 1024 * 1024  # text to tokenize per request; more is a 400 before tokenizing starts
+    text_threads: int = 2  # threads that tokenize and render chat templates off the event loop
     max_n: int = 16
     max_tokens_limit: int = 32768
     max_model_len: int = 0  # 0: taken from the workers' info (the smallest), else this
@@ -100,6 +102,9 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
                         help="eject a worker whose health checks time out only after this long (one that refuses "
                              "connections goes after 2 failed checks)")
     parser.add_argument("--api-keys-file", default="", help="file with one API key per line (default: no auth)")
+    parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger request bodies get a 413")
+    parser.add_argument("--max-prompt-chars", type=int, default=4 * 1024 * 1024,
+                        help="a request with more prompt text than this gets a 400 before any tokenization starts")
     parser.add_argument("--request-read-timeout-s", type=float, default=30.0,
                         help="a request's head and body must arrive within this of its first byte, else 408")
     parser.add_argument("--send-stall-timeout-s", type=float, default=60.0,
@@ -123,6 +128,8 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         local_prefill_min_queue=args.local_prefill_min_queue,
         eject_unresponsive_after_s=args.eject_unresponsive_after_s,
         api_keys=read_api_keys(args.api_keys_file) if args.api_keys_file else frozenset(),
+        max_body_bytes=args.max_body_bytes,
+        max_prompt_chars=args.max_prompt_chars,
         request_read_timeout_s=args.request_read_timeout_s,
         send_stall_timeout_s=args.send_stall_timeout_s,
     )

@@ -35,8 +35,11 @@ class Continuation:
 
     def next_sampling(self) -> SamplingParams:
         done = len(self.streamed_token_ids)
+        grammar = self.sampling.grammar
+        if grammar is not None and done:  # the next worker's matcher starts after what was streamed
+            grammar = replace(grammar, accepted_token_ids=grammar.accepted_token_ids + self.streamed_token_ids)
         return replace(self.sampling, max_tokens=self.sampling.max_tokens - done,
-                       min_tokens=max(0, self.sampling.min_tokens - done))
+                       min_tokens=max(0, self.sampling.min_tokens - done), grammar=grammar)
 
     def migrate(self) -> None:
         """The next worker continues the stream: from now on the router makes the text."""

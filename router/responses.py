@@ -1,11 +1,28 @@
-"""OpenAI response shapes (completions and chat, whole and streamed as SSE chunks), built from finished choices."""
+"""OpenAI response shapes (completions and chat, whole and streamed as SSE chunks), built from what the workers
+streamed: text, token ids, log-probabilities, and for chat requests with tools the tool calls parsed out of the text."""
 
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from pdserve.text.tokenizer import PromptTokenizer
+from pdserve.text.tool_calls import ToolCallDelta, ToolCallParser
+from pdserve.wire.protocol import TokenEvent
+
+
+@dataclass(frozen=True)
+class ResponseOptions:
+    """What the request asked the response to contain."""
+
+    logprobs: bool = False
+    top_logprobs: int = 0
+    return_token_ids: bool = False
+    parse_tool_calls: bool = False  # the request offered tools and the model may call them
+    max_tool_calls: int | None = None  # parallel_tool_calls: false -> 1
+    echo_texts: list[str] | None = None  # completions with echo: per prompt, the text put before the output
+    n: int = 1  # choices per prompt
 
 
 @dataclass
@@ -17,9 +34,13 @@ class ChoiceOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_token_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = 0
     error: str | None = None
+    tool_parser: ToolCallParser | None = None  # streaming: the parser this choice's chunks go through
+    tool_call_ids: list[str] = field(default_factory=list)
 
 
 def usage(choices: list[ChoiceOutput], prompt_counted_once_per: int) -> dict[str, Any]:
@@ -35,57 +56,84 @@ def usage(choices: list[ChoiceOutput], prompt_counted_once_per: int) -> dict[str
     }
 
 
-def completion_logprobs(tokenizer: PromptTokenizer, token_ids: list[int], logprobs: list[float], offset: int) -> dict[str, Any]:
+def completion_logprobs(tokenizer: PromptTokenizer, token_ids: list[int], logprobs: list[float], offset: int,
+                        top_ids: list[list[int]] | None = None, top_values: list[list[float]] | None = None) -> dict[str, Any]:
     tokens = [tokenizer.decode([t]) for t in token_ids]
     offsets, position = [], offset
     for token in tokens:
         offsets.append(position)
         position += len(token)
-    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+    top = None
+    if top_ids:
+        top = [{tokenizer.decode([t]): v for t, v in zip(ids, values)} for ids, values in zip(top_ids, top_values or [])]
+    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": top, "text_offset": offsets}
 
 
-def chat_logprobs(tokenizer: PromptTokenizer, token_ids: list[int], logprobs: list[float]) -> dict[str, Any]:
+def chat_logprobs(tokenizer: PromptTokenizer, token_ids: list[int], logprobs: list[float],
+                  top_ids: list[list[int]] | None = None, top_values: list[list[float]] | None = None) -> dict[str, Any]:
     content = []
-    for token_id, logprob in zip(token_ids, logprobs):
-        token = tokenizer.decode([token_id])
-        content.append({"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []})
+    for position, (token_id, logprob) in enumerate(zip(token_ids, logprobs)):
+        alternatives = []
+        if top_ids and position < len(top_ids):
+            alternatives = [_token_logprob(tokenizer, t, v) for t, v in zip(top_ids[position], (top_values or [])[position])]
+        content.append({**_token_logprob(tokenizer, token_id, logprob), "top_logprobs": alternatives})
     return {"content": content}
+
+
+def _token_logprob(tokenizer: PromptTokenizer, token_id: int, logprob: float) -> dict[str, Any]:
+    token = tokenizer.decode([token_id])
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 
 class ResponseBuilder:
     """Builds the JSON bodies of one request (`kind` completion or chat)."""
 
     def __init__(self, kind: str, request_id: str, created: int, model: str, tokenizer: PromptTokenizer,
-                 wants_logprobs: bool, return_token_ids: bool) -> None:
+                 options: ResponseOptions) -> None:
         self.kind = kind
         self.request_id = request_id
         self.created = created
         self.model = model
         self.tokenizer = tokenizer
-        self.wants_logprobs = wants_logprobs
-        self.return_token_ids = return_token_ids
+        self.options = options
 
     def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model, "choices": choices}
 
+    def _logprobs(self, token_ids, logprobs, top_ids, top_values, text_offset: int = 0) -> dict[str, Any] | None:
+        if not self.options.logprobs:
+            return None
+        top_ids, top_values = (top_ids, top_values) if self.options.top_logprobs else (None, None)
+        if self.kind == "chat":
+            return chat_logprobs(self.tokenizer, token_ids, logprobs, top_ids, top_values)
+        return completion_logprobs(self.tokenizer, token_ids, logprobs, text_offset, top_ids, top_values)
+
+    def _echo(self, choice: ChoiceOutput) -> str:
+        echo = self.options.echo_texts
+        return echo[choice.index // self.options.n] if echo else ""
+
     def whole(self, choices: list[ChoiceOutput], usage_body: dict[str, Any]) -> dict[str, Any]:
         rendered = []
         for choice in choices:
+            logprobs = self._logprobs(choice.token_ids, choice.logprobs, choice.top_token_ids, choice.top_logprobs)
             if self.kind == "chat":
-                item: dict[str, Any] = {
-                    "index": choice.index,
-                    "message": {"role": "assistant", "content": choice.text},
-                    "logprobs": chat_logprobs(self.tokenizer, choice.token_ids, choice.logprobs) if self.wants_logprobs else None,
-                    "finish_reason": choice.finish_reason,
-                }
+                message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+                finish_reason = choice.finish_reason
+                if self.options.parse_tool_calls:
+                    parser = ToolCallParser()
+                    content, deltas = parser.feed(choice.text)
+                    tail, more = parser.finish()
+                    calls = self._calls(choice, deltas + more)
+                    message["content"] = (content + tail) or (None if calls else "")
+                    if calls:
+                        message["tool_calls"] = calls
+                        finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+                item: dict[str, Any] = {"index": choice.index, "message": message, "logprobs": logprobs,
+                                        "finish_reason": finish_reason}
             else:
-                item = {
-                    "index": choice.index,
-                    "text": choice.text,
-                    "logprobs": completion_logprobs(self.tokenizer, choice.token_ids, choice.logprobs, 0) if self.wants_logprobs else None,
-                    "finish_reason": choice.finish_reason,
-                }
-            if self.return_token_ids:
+                item = {"index": choice.index, "text": self._echo(choice) + choice.text, "logprobs": logprobs,
+                        "finish_reason": choice.finish_reason}
+            if self.options.return_token_ids:
                 item["prompt_token_ids"] = choice.prompt_token_ids
                 item["token_ids"] = choice.token_ids
             rendered.append(item)
@@ -93,28 +141,72 @@ class ResponseBuilder:
         body["usage"] = usage_body
         return body
 
-    def chunk(self, choice: ChoiceOutput, text: str, token_ids: list[int], logprobs: list[float] | None,
-              finish_reason: str | None, first: bool, text_offset: int) -> bytes:
+    def _calls(self, choice: ChoiceOutput, deltas: list[ToolCallDelta]) -> list[dict[str, Any]]:
+        """Whole tool calls from a parse of the whole text (at most max_tool_calls)."""
+        calls: list[dict[str, Any]] = []
+        for delta in deltas:
+            if delta.name is not None:
+                calls.append({"id": self._call_id(choice, delta.index), "type": "function",
+                              "function": {"name": delta.name, "arguments": ""}})
+            if calls and delta.index == len(calls) - 1:
+                calls[-1]["function"]["arguments"] += delta.arguments
+        return calls[: self.options.max_tool_calls]
+
+    @staticmethod
+    def _call_id(choice: ChoiceOutput, index: int) -> str:
+        while len(choice.tool_call_ids) <= index:
+            choice.tool_call_ids.append("call_" + uuid.uuid4().hex[:24])
+        return choice.tool_call_ids[index]
+
+    def chunk(self, choice: ChoiceOutput, event: TokenEvent, first: bool, text_offset: int) -> bytes | None:
+        """The SSE chunk for one worker event of `choice` (None when it holds nothing to send yet)."""
+        logprobs = self._logprobs(event.token_ids, event.logprobs or [], event.top_token_ids, event.top_logprobs,
+                                  text_offset)
+        finish_reason = event.finish_reason
         if self.kind == "chat":
-            delta: dict[str, Any] = {"content": text}
+            delta: dict[str, Any] = {}
             if first:
                 delta["role"] = "assistant"
-            item: dict[str, Any] = {
-                "index": choice.index, "delta": delta,
-                "logprobs": chat_logprobs(self.tokenizer, token_ids, logprobs or []) if self.wants_logprobs else None,
-                "finish_reason": finish_reason,
-            }
+            content, calls = event.text, []
+            if self.options.parse_tool_calls:
+                content, calls = self._stream_tool_calls(choice, event)
+                if choice.tool_parser is not None and choice.tool_parser.calls and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+            if content or not calls:
+                delta["content"] = content
+            if calls:
+                delta["tool_calls"] = calls
+            if not (first or content or calls or finish_reason or event.token_ids):
+                return None
+            item: dict[str, Any] = {"index": choice.index, "delta": delta, "logprobs": logprobs,
+                                    "finish_reason": finish_reason}
         else:
-            item = {
-                "index": choice.index, "text": text,
-                "logprobs": completion_logprobs(self.tokenizer, token_ids, logprobs or [], text_offset) if self.wants_logprobs else None,
-                "finish_reason": finish_reason,
-            }
-        if self.return_token_ids:
-            item["token_ids"] = token_ids
+            text = (self._echo(choice) if first else "") + event.text
+            item = {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if self.options.return_token_ids:
+            item["token_ids"] = event.token_ids
             if first:
                 item["prompt_token_ids"] = choice.prompt_token_ids
         return sse(self._envelope(self._chunk_object(), [item]))
+
+    def _stream_tool_calls(self, choice: ChoiceOutput, event: TokenEvent) -> tuple[str, list[dict[str, Any]]]:
+        if choice.tool_parser is None:
+            choice.tool_parser = ToolCallParser()
+        content, deltas = choice.tool_parser.feed(event.text)
+        if event.finish_reason is not None:
+            tail, more = choice.tool_parser.finish()
+            content, deltas = content + tail, deltas + more
+        limit = self.options.max_tool_calls
+        calls = []
+        for delta in deltas:
+            if limit is not None and delta.index >= limit:
+                continue
+            call: dict[str, Any] = {"index": delta.index, "function": {"arguments": delta.arguments}}
+            if delta.name is not None:
+                call.update(id=self._call_id(choice, delta.index), type="function")
+                call["function"]["name"] = delta.name
+            calls.append(call)
+        return content, calls
 
     def usage_chunk(self, usage_body: dict[str, Any]) -> bytes:
         body = self._envelope(self._chunk_object(), [])

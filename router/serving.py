@@ -8,17 +8,22 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from pdserve.text.generation_defaults import GenerationDefaults
+from pdserve.text.grammars import FREE_TEXT_LARK, GrammarError, check_grammar
 from pdserve.text.tokenizer import PromptError, PromptTokenizer
+from pdserve.text.tool_calls import DeepSeekToolCalls, ToolSpec
 from pdserve.wire.protocol import TokenEvent
-from pdserve.wire.sampling import SamplingParams
+from pdserve.wire.sampling import Grammar, SamplingParams
 from pdserve_router import openai_schema as schema
 from pdserve_router.dispatch import Dispatcher, no_workers_error
 from pdserve_router.errors import APIError
 from pdserve_router.metrics import RouterMetrics
-from pdserve_router.responses import SSE_DONE, ChoiceOutput, ResponseBuilder, sse, usage
+from pdserve_router.responses import SSE_DONE, ChoiceOutput, ResponseBuilder, ResponseOptions, sse, usage
+from pdserve_router.text_workers import TextWorkers
 
 DISCONNECT_POLL_S = 0.5
 
@@ -46,9 +51,27 @@ class ChoicePlan:
     sampling: SamplingParams
 
 
+@dataclass
+class RequestPlan:
+    choices: list[ChoicePlan]
+    options: ResponseOptions
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What `tools` / `tool_choice` / `response_format` make of a chat request."""
+
+    template_tools: list[dict] | None  # tools as the chat template renders them
+    grammar: Grammar | None  # the constraint on the output, if any
+    grammar_param: str | None  # the request field a grammar that does not compile is blamed on
+    parse_tool_calls: bool
+    max_tool_calls: int | None
+
+
 class Serving:
     def __init__(self, tokenizer: PromptTokenizer, dispatcher: Dispatcher, metrics: RouterMetrics, model_name: str,
-                 max_model_len: Callable[[], int | None], max_n: int, max_tokens_limit: int, retry_after_s: int) -> None:
+                 max_model_len: Callable[[], int | None], max_n: int, max_tokens_limit: int, retry_after_s: int,
+                 text_workers: TextWorkers, max_prompt_chars: int, defaults: GenerationDefaults) -> None:
         self.tokenizer = tokenizer
         self.dispatcher = dispatcher
         self.metrics = metrics
@@ -57,6 +80,10 @@ class Serving:
         self._max_n = max_n
         self._max_tokens_limit = max_tokens_limit
         self._retry_after_s = retry_after_s
+        self._text = text_workers
+        self._max_prompt_chars = max_prompt_chars
+        self._defaults = defaults
+        self._tool_format = DeepSeekToolCalls.for_tokenizer(tokenizer.tokenizer)
 
     # --- request -> choices ----------------------------------------------------------------------------------------
 
@@ -65,53 +92,155 @@ class Serving:
             raise APIError(404, f"The model `{request.model}` does not exist; this router serves `{self.model_name}`.",
                            param="model", code="model_not_found")
 
-    def _plan_choices(self, request: schema.SamplingFields, prompts: list[list[int]]) -> list[ChoicePlan]:
+    def _check_request(self, request: schema.SamplingFields) -> None:
+        """Everything decided before any tokenization starts: model, limits, unsupported fields, prompt size."""
+        self._check_model(request)
+        schema.check_limits(request, self._max_n, self._max_tokens_limit)
+        schema.check_unsupported(request)
+        chat = isinstance(request, schema.ChatCompletionRequest)
+        self._check_prompt_chars(schema.prompt_chars(request), "messages" if chat else "prompt")
+
+    def _check_prompt_chars(self, chars: int, param: str) -> None:
+        if chars > self._max_prompt_chars:
+            raise schema.bad_request(
+                f"the prompt has {chars} characters; this router tokenizes at most {self._max_prompt_chars}",
+                param=param, code="prompt_too_long")
+
+    def _plan_choices(self, request: schema.SamplingFields, prompts: list[list[int]],
+                      grammar: Grammar | None) -> list[ChoicePlan]:
         max_model_len = self._max_model_len()
         if max_model_len is None:
             raise no_workers_error(self._retry_after_s)
         n = request.n or 1
+        logit_bias = schema.logit_bias_of(request, self.tokenizer.vocab_size)
         plans = []
         for prompt_index, prompt_token_ids in enumerate(prompts):
             if not prompt_token_ids:
                 raise schema.bad_request("the prompt is empty after tokenization", param="prompt")
-            max_tokens = schema.resolve_max_tokens(request, len(prompt_token_ids), max_model_len, self._max_tokens_limit)
+            max_tokens = schema.resolve_max_tokens(request, len(prompt_token_ids), max_model_len, self._max_tokens_limit,
+                                                   self._defaults.max_tokens)
             for j in range(n):
-                sampling = schema.sampling_params_of(request, max_tokens, j)
+                sampling = schema.sampling_params_of(request, max_tokens, j, self._defaults, logit_bias, grammar)
                 plans.append(ChoicePlan(prompt_index * n + j, prompt_token_ids, sampling))
         return plans
 
-    def plan_completion(self, request: schema.CompletionRequest) -> list[ChoicePlan]:
-        self._check_model(request)
-        schema.check_limits(request, self._max_n, self._max_tokens_limit)
-        prompts = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in schema.prompts_of(request)]
-        for prompt in prompts:
+    def _options(self, request: schema.SamplingFields, **kwargs) -> ResponseOptions:
+        if isinstance(request, schema.ChatCompletionRequest):
+            wants_logprobs = bool(request.logprobs)
+        else:
+            wants_logprobs = request.logprobs is not None
+        return ResponseOptions(logprobs=wants_logprobs, top_logprobs=schema.top_logprobs_of(request),
+                               return_token_ids=bool(request.return_token_ids), n=request.n or 1, **kwargs)
+
+    async def plan_completion(self, request: schema.CompletionRequest) -> RequestPlan:
+        self._check_request(request)
+        prompts = schema.prompts_of(request)
+        token_prompts = await self._text.run(lambda: [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts])
+        for prompt in token_prompts:
             if outside := [t for t in prompt if not 0 <= t < self.tokenizer.vocab_size]:
                 raise schema.bad_request(f"prompt token id {outside[0]} is outside the vocabulary "
                                          f"[0, {self.tokenizer.vocab_size})", param="prompt")
-        return self._plan_choices(request, prompts)
+        echo_texts = None
+        if request.echo:
+            echo_texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
+        return RequestPlan(self._plan_choices(request, token_prompts, None), self._options(request, echo_texts=echo_texts))
 
-    def plan_chat(self, request: schema.ChatCompletionRequest) -> list[ChoicePlan]:
-        self._check_model(request)
-        schema.check_limits(request, self._max_n, self._max_tokens_limit)
+    async def plan_chat(self, request: schema.ChatCompletionRequest) -> RequestPlan:
+        self._check_request(request)
+        tools = self._tool_plan(request)
+        messages = schema.chat_messages_of(request.messages)
         add_generation_prompt = True if request.add_generation_prompt is None else request.add_generation_prompt
-        try:
-            prompt = self.tokenizer.encode_chat(
-                schema.chat_messages_of(request), add_generation_prompt, **(request.chat_template_kwargs or {})
-            )
-        except PromptError as error:
-            raise schema.bad_request(str(error), param=error.param) from None
-        return self._plan_choices(request, [prompt])
+        template_kwargs = dict(request.chat_template_kwargs or {})
+        if tools.template_tools is not None:
+            template_kwargs["tools"] = tools.template_tools
+
+        def tokenize() -> list[int]:
+            if tools.grammar is not None:
+                try:
+                    check_grammar(tools.grammar.kind, tools.grammar.source)
+                except GrammarError as error:
+                    raise schema.bad_request(f"the output constraint does not compile: {error}", param=tools.grammar_param)
+            try:
+                return self.tokenizer.encode_chat(messages, add_generation_prompt, **template_kwargs)
+            except PromptError as error:
+                raise schema.bad_request(str(error), param=error.param) from None
+
+        prompt = await self._text.run(tokenize)
+        options = self._options(request, parse_tool_calls=tools.parse_tool_calls, max_tool_calls=tools.max_tool_calls)
+        return RequestPlan(self._plan_choices(request, [prompt], tools.grammar), options)
+
+    def _tool_plan(self, request: schema.ChatCompletionRequest) -> ToolPlan:
+        response_grammar = schema.response_format_grammar(request)
+        choice = request.tool_choice
+        if not request.tools:
+            if choice not in (None, "none", "auto"):
+                raise schema.bad_request("tool_choice names a tool, but the request has no tools", param="tool_choice")
+            return ToolPlan(None, response_grammar, "response_format", False, None)
+        if self._tool_format is None:
+            raise schema.bad_request("this model's tokenizer has no tool-call markers; it cannot call tools", param="tools")
+        template_tools = [msgspec.to_builtins(tool) for tool in request.tools]
+        specs = [ToolSpec(t.function.name, t.function.parameters or {"type": "object"}) for t in request.tools]
+        parallel = request.parallel_tool_calls is not False
+        max_calls = None if parallel else 1
+        if choice is None or choice == "auto":
+            return ToolPlan(template_tools, response_grammar, "response_format", response_grammar is None, max_calls)
+        if response_grammar is not None:
+            raise schema.bad_request("response_format cannot be combined with tool_choice other than auto",
+                                     param="response_format")
+        if choice == "none":
+            return ToolPlan(template_tools, Grammar("lark", FREE_TEXT_LARK), "tool_choice", False, None)
+        if choice != "required":
+            assert isinstance(choice, schema.NamedToolChoice)
+            specs = [spec for spec in specs if spec.name == choice.function.name]
+            if not specs:
+                raise schema.bad_request(f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                                         param="tool_choice.function.name")
+        return ToolPlan(template_tools, Grammar("lark", self._tool_format.grammar(specs, parallel)), "tools", True, max_calls)
+
+    # --- /tokenize and /detokenize (vLLM's shapes) ----------------------------------------------------------------
+
+    async def tokenize(self, request: schema.TokenizeRequest) -> dict:
+        if request.model is not None:
+            self._check_model(request)  # type: ignore[arg-type]
+        if (request.prompt is None) == (request.messages is None):
+            raise schema.bad_request("give exactly one of `prompt` or `messages`", param="prompt")
+        if request.prompt is not None:
+            self._check_prompt_chars(len(request.prompt), "prompt")
+            token_ids = await self._text.run(self.tokenizer.encode, request.prompt, request.add_special_tokens)
+        else:
+            assert request.messages is not None
+            self._check_prompt_chars(schema.messages_chars(request.messages, request.tools), "messages")
+            messages = schema.chat_messages_of(request.messages)
+            kwargs = dict(request.chat_template_kwargs or {})
+            if request.tools:
+                kwargs["tools"] = [msgspec.to_builtins(tool) for tool in request.tools]
+            try:
+                token_ids = await self._text.run(self.tokenizer.encode_chat, messages, request.add_generation_prompt,
+                                                 **kwargs)
+            except PromptError as error:
+                raise schema.bad_request(str(error), param=error.param) from None
+        body: dict = {"count": len(token_ids), "max_model_len": self._max_model_len(), "tokens": token_ids}
+        if request.return_token_strs:
+            body["token_strs"] = [self.tokenizer.tokenizer.id_to_token(t) for t in token_ids]
+        return body
+
+    async def detokenize(self, request: schema.DetokenizeRequest) -> dict:
+        if request.model is not None:
+            self._check_model(request)  # type: ignore[arg-type]
+        if outside := [t for t in request.tokens if t >= self.tokenizer.vocab_size]:
+            raise schema.bad_request(f"token id {outside[0]} is outside the vocabulary [0, {self.tokenizer.vocab_size})",
+                                     param="tokens")
+        return {"prompt": await self._text.run(self.tokenizer.decode, request.tokens)}
 
     # --- choices -> response ---------------------------------------------------------------------------------------
 
-    async def respond(self, kind: str, request: schema.SamplingFields, plans: list[ChoicePlan], http_request: Request,
+    async def respond(self, kind: str, request: schema.SamplingFields, plan: RequestPlan, http_request: Request,
                       arrival_s: float, on_done: Callable[[], None]) -> Response:
         if not self.dispatcher.can_serve():
             raise no_workers_error(self._retry_after_s)
         request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-        wants_logprobs = bool(request.logprobs) if kind == "chat" else request.logprobs is not None
-        builder = ResponseBuilder(kind, request_id, int(time.time()), self.model_name, self.tokenizer,
-                                  wants_logprobs, bool(request.return_token_ids))
+        builder = ResponseBuilder(kind, request_id, int(time.time()), self.model_name, self.tokenizer, plan.options)
+        plans = plan.choices
         outputs = [ChoiceOutput(plan.index, plan.prompt_token_ids) for plan in plans]
         events = self._merged_events(request_id, plans, arrival_s)
         n = request.n or 1
@@ -173,6 +302,9 @@ class Serving:
         output.token_ids.extend(event.token_ids)
         if event.logprobs:
             output.logprobs.extend(event.logprobs)
+        if event.top_token_ids and event.top_logprobs:
+            output.top_token_ids.extend(event.top_token_ids)
+            output.top_logprobs.extend(event.top_logprobs)
         output.cached_tokens = max(output.cached_tokens, event.cached_tokens)
         if event.finish_reason is not None:
             output.finish_reason = event.finish_reason
@@ -219,8 +351,9 @@ class Serving:
                                                type="server_error").body())
                             continue
                         if event.token_ids or event.text or event.finish_reason is not None:
-                            yield builder.chunk(output, event.text, event.token_ids, event.logprobs, event.finish_reason,
-                                                first, text_offset)
+                            chunk = builder.chunk(output, event, first, text_offset)
+                            if chunk is not None:
+                                yield chunk
                 status = "error" if any(o.finish_reason == "error" for o in outputs) else "ok"
             except APIError as error:
                 status = "error"

@@ -11,11 +11,12 @@ def tiny_model_factory(tmp_path_factory):
     """make(arch, seed=0, **overrides) -> directory; cached per argument set for the whole session."""
     made: dict[tuple, str] = {}
 
-    def make(arch: str = "v2", seed: int = 0, fp8: bool = False, **overrides) -> str:
-        key = (arch, seed, fp8, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+    def make(arch: str = "v2", seed: int = 0, fp8: bool = False, tokenizer: str = "tiny", **overrides) -> str:
+        key = (arch, seed, fp8, tokenizer, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
         if key not in made:
             out = tmp_path_factory.mktemp(f"tiny-{arch}")
-            made[key] = str(make_tiny_model(out, arch=arch, seed=seed, overrides=overrides or None, fp8=fp8))
+            made[key] = str(make_tiny_model(out, arch=arch, seed=seed, overrides=overrides or None, fp8=fp8,
+                                            tokenizer=tokenizer))
         return made[key]
 
     return make
@@ -29,6 +30,12 @@ def tiny_v2(tiny_model_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_v3(tiny_model_factory) -> str:
     return tiny_model_factory("v3")
+
+
+@pytest.fixture(scope="session")
+def tiny_v3_deepseek(tiny_model_factory) -> str:
+    """A tiny V3 checkpoint with DeepSeek's real tokenizer (129,280-token vocabulary) and V3-format chat template."""
+    return tiny_model_factory("v3", tokenizer="deepseek")
 
 
 @pytest.fixture(scope="session")

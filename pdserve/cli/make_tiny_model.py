@@ -13,12 +13,15 @@ def add_make_tiny_model_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--fp8", action="store_true", help="store decoder linear weights as block fp8 (V3 style)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--num-shards", type=int, default=1)
+    parser.add_argument("--tokenizer", choices=("tiny", "deepseek"), default="tiny",
+                        help="tiny: a 512-token BPE trained here; deepseek: DeepSeek's real tokenizer (129,280 rows)")
     parser.set_defaults(func=main_make_tiny_model)
 
 
 def main_make_tiny_model(args: argparse.Namespace) -> int:
     out_dir = make_tiny_model(
-        args.out_dir, arch=args.arch, seed=args.seed, fp8=args.fp8, dtype=args.dtype, num_shards=args.num_shards
+        args.out_dir, arch=args.arch, seed=args.seed, fp8=args.fp8, dtype=args.dtype, num_shards=args.num_shards,
+        tokenizer=args.tokenizer,
     )
     print(out_dir)
     return 0

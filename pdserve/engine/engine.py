@@ -3,6 +3,7 @@
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -10,9 +11,10 @@ from pdserve.cache.page_allocator import PageAllocator, pages_for
 from pdserve.cache.radix_cache import NullPrefixCache, RadixCache
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cuda_graphs import decode_graph_config
+from pdserve.engine.logits_processing import LogitsProcessing
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request
-from pdserve.engine.sampler import sample
+from pdserve.engine.sampler import SampleResult, sample
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.model.config import ModelConfig
 from pdserve.model.loader import build_model, load_model
@@ -42,10 +44,12 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[float] | None
-    text: str
-    finish_reason: str | None
-    prompt_tokens: int
-    cached_tokens: int
+    new_top_token_ids: list[list[int]] | None = None
+    new_top_logprobs: list[list[float]] | None = None
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -105,6 +109,10 @@ class Engine:
             self.prefix_cache,
         )
         self.tokenizer = PromptTokenizer(cfg.model) if has_tokenizer(cfg.model) else None
+        self.logits_processing = LogitsProcessing(
+            Path(cfg.model) / "tokenizer.json" if self.tokenizer is not None else None,
+            self.model_config.vocab_size, list(self.model_config.eos_token_ids),
+        )
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._seed_source = torch.Generator().manual_seed(cfg.seed)
@@ -150,9 +158,14 @@ class Engine:
             )
         if sampling.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer.json in the model directory")
+        try:
+            self.logits_processing.check(sampling)
+            grammar = self.logits_processing.grammar_for(sampling)
+        except ValueError as error:
+            raise InvalidRequestError(str(error)) from None
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        request = Request(request_id, list(prompt_token_ids), sampling, generator)
+        request = Request(request_id, list(prompt_token_ids), sampling, generator, grammar=grammar)
         self.requests[request_id] = request
         if self.tokenizer is not None:
             self.detokenizers[request_id] = self.tokenizer.detokenizer(request.prompt_token_ids, sampling.stop)
@@ -183,12 +196,13 @@ class Engine:
         request.page_ids = pages
         return request
 
-    def start_decoding(self, request_id: str, first_token_id: int, first_logprob: float | None) -> RequestOutput:
-        """The reserved pages now hold the prompt's KV: decode on from the prefill rank's first token."""
+    def start_decoding(self, request_id: str, first: RequestOutput) -> RequestOutput:
+        """The reserved pages now hold the prompt's KV: decode on from the prefill rank's first token (`first`:
+        what the prefill rank produced; its grammar state is re-created here by accepting that token)."""
         request = self.requests[request_id]
         request.num_computed_tokens = len(request.prompt_token_ids)
         self.scheduler.add_running(request)
-        return self._append_token(request, first_token_id, first_logprob)
+        return self._append_token(request, first)
 
     def abort(self, request_id: str) -> bool:
         request = self.requests.get(request_id)
@@ -230,25 +244,16 @@ class Engine:
         sampling_seqs = [seq.request for seq in scheduled if seq.request.num_pending_tokens == 0]
         if not sampling_seqs:
             return []
-        result = sample(
-            logits,
-            [r.sampling for r in sampling_seqs],
-            [r.generator for r in sampling_seqs],
-            [self._banned_ids(r) for r in sampling_seqs],
-        )
-        outputs = []
-        for i, request in enumerate(sampling_seqs):
-            logprob = result.logprobs[i] if result.logprobs is not None and request.sampling.logprobs else None
-            outputs.append(self._append_token(request, result.token_ids[i], logprob))
-        return outputs
+        processing = self.logits_processing.for_batch(sampling_seqs)
+        result = sample(logits, [r.sampling for r in sampling_seqs], [r.generator for r in sampling_seqs],
+                        processing.banned_token_ids, processing.apply)
+        return [self._append_token(request, _sampled(result, i, request.sampling))
+                for i, request in enumerate(sampling_seqs)]
 
-    def _banned_ids(self, request: Request) -> list[int]:
-        if len(request.output_token_ids) >= request.sampling.min_tokens:
-            return []
-        eos = [] if request.sampling.ignore_eos else list(self.model_config.eos_token_ids)
-        return eos + list(request.sampling.stop_token_ids)
-
-    def _append_token(self, request: Request, token_id: int, logprob: float | None) -> RequestOutput:
+    def _append_token(self, request: Request, sampled: RequestOutput) -> RequestOutput:
+        """Append the one token of `sampled` (its token and log-probabilities) and say what it means for the request."""
+        token_id = sampled.new_token_ids[0]
+        logprob = sampled.new_logprobs[0] if sampled.new_logprobs else None
         if not request.output_token_ids:
             self._prefix_queries_tokens += len(request.prompt_token_ids)
             self._prefix_hits_tokens += request.num_cached_tokens
@@ -262,8 +267,9 @@ class Engine:
         detokenizer = self.detokenizers.get(request.request_id)
         if detokenizer is not None:
             text, stop_hit = detokenizer.push([token_id])
+        grammar_complete = self.logits_processing.accept(request, token_id)
         finish_reason = None
-        if stop_hit:
+        if stop_hit or grammar_complete:
             finish_reason = "stop"
         elif not sampling.ignore_eos and token_id in self.model_config.eos_token_ids:
             finish_reason = "stop"
@@ -280,6 +286,8 @@ class Engine:
             request_id=request.request_id,
             new_token_ids=[token_id],
             new_logprobs=[logprob] if logprob is not None else None,
+            new_top_token_ids=sampled.new_top_token_ids,
+            new_top_logprobs=sampled.new_top_logprobs,
             text=text,
             finish_reason=finish_reason,
             prompt_tokens=len(request.prompt_token_ids),
@@ -290,3 +298,14 @@ class Engine:
         if not request.keep_pages_on_finish:
             self.requests.pop(request.request_id, None)
         self.detokenizers.pop(request.request_id, None)
+
+
+def _sampled(result: SampleResult, row: int, sampling: SamplingParams) -> RequestOutput:
+    """Row `row` of a sample as a one-token output (log-probabilities only where the request asked)."""
+    wants = sampling.logprobs or sampling.top_logprobs > 0
+    output = RequestOutput("", [result.token_ids[row]],
+                           [result.logprobs[row]] if wants and result.logprobs is not None else None)
+    if sampling.top_logprobs and result.top_token_ids is not None and result.top_logprobs is not None:
+        output.new_top_token_ids = [result.top_token_ids[row]]
+        output.new_top_logprobs = [result.top_logprobs[row]]
+    return output

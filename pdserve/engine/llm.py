@@ -19,6 +19,7 @@ class GenerationResult:
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None  # per token: the most likely token ids -> log-probability
     cached_tokens: int = 0
 
 
@@ -50,7 +51,8 @@ class LLM:
         for ids, params in zip(prompt_token_ids, sampling_list):
             request_id = f"offline-{next(self._ids)}"
             self.engine.add_request(request_id, ids, params)
-            results[request_id] = GenerationResult(request_id, list(ids), logprobs=[] if params.logprobs else None)
+            results[request_id] = GenerationResult(request_id, list(ids), logprobs=[] if params.logprobs else None,
+                                                   top_logprobs=[] if params.top_logprobs else None)
         with tqdm(total=len(results), desc="generating", unit="req", disable=not progress) as bar:
             while self.engine.has_work():
                 for out in self.engine.step():
@@ -60,6 +62,9 @@ class LLM:
                     result.cached_tokens = out.cached_tokens
                     if result.logprobs is not None and out.new_logprobs:
                         result.logprobs.extend(out.new_logprobs)
+                    if result.top_logprobs is not None and out.new_top_token_ids and out.new_top_logprobs:
+                        result.top_logprobs.extend(dict(zip(ids, values)) for ids, values
+                                                   in zip(out.new_top_token_ids, out.new_top_logprobs))
                     if out.finish_reason is not None:
                         result.finish_reason = out.finish_reason
                         bar.update(1)

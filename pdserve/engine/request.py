@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.engine.grammar import RequestGrammar
 from pdserve.wire.sampling import SamplingParams
 
 
@@ -31,6 +32,7 @@ class Request:
     arrival_s: float = field(default_factory=time.monotonic)
     num_preemptions: int = 0
     keep_pages_on_finish: bool = False  # prefill-only: pages live on until the KV transfer releases them
+    grammar: RequestGrammar | None = None  # the constraint's matcher, advanced by every output token
 
     @property
     def all_token_ids(self) -> list[int]:

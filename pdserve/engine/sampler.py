@@ -2,9 +2,12 @@
 
 Filtering (temperature, top-k, top-p, min-p) is vectorized over the batch; the random draw of each row uses only
 that row's generator, so a seeded request gets the same tokens whatever else shares its batch.
+
+Log-probabilities are the model's own (log-softmax of the logits as the model produced them), before bans, bias,
+penalties, grammar masks and temperature, as vLLM reports them by default.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +19,9 @@ from pdserve.wire.sampling import SamplingParams
 class SampleResult:
     token_ids: list[int]
     logprobs: list[float] | None  # model log-probability of each chosen token; None when no row asked
+    # per row: its top_logprobs most likely tokens and their log-probabilities, best first; None when no row asked
+    top_token_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
 
 
 def sample(
@@ -23,8 +29,10 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator],
     banned_token_ids: Sequence[Sequence[int]],
+    adjust: Callable[[torch.Tensor], None] | None = None,
 ) -> SampleResult:
-    """Next token per row of `logits` [B, V]; `generators` live on `logits.device`, one per row (may be shared)."""
+    """Next token per row of `logits` [B, V]; `generators` live on `logits.device`, one per row (may be shared);
+    `adjust` changes the float32 logits in place after the bans (bias, penalties, grammar masks)."""
     batch_size = logits.shape[0]
     if logits.dim() != 2 or not (len(params) == len(generators) == len(banned_token_ids) == batch_size):
         raise ValueError(
@@ -33,7 +41,10 @@ def sample(
         )
     # Copy: the caller's logits stay untouched whatever their dtype.
     logits = logits.to(torch.float32, copy=True)
+    model_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs or p.top_logprobs for p in params) else None
     _ban(logits, banned_token_ids)
+    if adjust is not None:
+        adjust(logits)
 
     # argmax returns the first maximal index, so greedy ties go to the lowest token id.
     token_ids = logits.argmax(dim=-1)
@@ -43,10 +54,16 @@ def sample(
         probs = filtered_probs(logits[rows], [params[row] for row in random_rows])
         token_ids[rows] = _draw(probs, [generators[row] for row in random_rows])
 
-    logprobs = None
-    if any(row_params.logprobs for row_params in params):
-        logprobs = torch.log_softmax(logits, dim=-1).gather(1, token_ids[:, None]).squeeze(1).tolist()
-    return SampleResult(token_ids=token_ids.tolist(), logprobs=logprobs)
+    result = SampleResult(token_ids=token_ids.tolist(), logprobs=None)
+    if model_logprobs is not None:
+        result.logprobs = model_logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
+        most = max(p.top_logprobs for p in params)
+        if most:
+            values, ids = model_logprobs.topk(most, dim=-1)
+            values, ids = values.tolist(), ids.tolist()
+            result.top_token_ids = [row[: p.top_logprobs] for row, p in zip(ids, params)]
+            result.top_logprobs = [row[: p.top_logprobs] for row, p in zip(values, params)]
+    return result
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

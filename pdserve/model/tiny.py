@@ -13,6 +13,7 @@ import torch
 
 from pdserve.model.block_fp8 import DEFAULT_BLOCK_SIZE, FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8
 from pdserve.model.safetensors_shards import read_safetensors_checkpoint, write_safetensors_checkpoint
+from pdserve.model.tiny_deepseek_tokenizer import write_deepseek_tokenizer
 from pdserve.model.tiny_tokenizer import write_tiny_tokenizer
 
 # Target std of the final logits: wide enough that top-1 and top-2 rarely come within rounding noise.
@@ -203,13 +204,23 @@ def make_tiny_model(
     fp8: bool = False,
     dtype: str = "float32",
     num_shards: int = 1,
+    tokenizer: str = "tiny",
+    generation_defaults: dict | None = None,
 ) -> Path:
-    """Writes config, tokenizer, generation config and random weights to `out_dir`; same arguments, same bytes."""
+    """Writes config, tokenizer, generation config and random weights to `out_dir`; same arguments, same bytes.
+    `tokenizer`: "tiny" (a 512-token BPE trained here) or "deepseek" (DeepSeek's real tokenizer and a V3-format chat
+    template with tools; the vocabulary is then V3's 129,280 rows). `generation_defaults`: sampling defaults for
+    generation_config.json (temperature, top_p, max_new_tokens...)."""
     torch_dtype = _torch_dtype(dtype)
     out_path = Path(out_dir)
     out_path.mkdir(parents=True, exist_ok=True)
     config = tiny_config(arch, overrides, dtype)
-    tokenizer_ids = write_tiny_tokenizer(out_path, arch, model_max_length=config["max_position_embeddings"])
+    if tokenizer == "deepseek":
+        tokenizer_ids = write_deepseek_tokenizer(out_path, model_max_length=config["max_position_embeddings"])
+    elif tokenizer == "tiny":
+        tokenizer_ids = write_tiny_tokenizer(out_path, arch, model_max_length=config["max_position_embeddings"])
+    else:
+        raise ValueError(f"tokenizer must be 'tiny' or 'deepseek', got {tokenizer!r}")
     config.update(
         vocab_size=tokenizer_ids.vocab_size,
         bos_token_id=tokenizer_ids.bos_token_id,
@@ -225,7 +236,8 @@ def make_tiny_model(
     _write_json(out_path / "config.json", config)
     _write_json(
         out_path / "generation_config.json",
-        {"bos_token_id": tokenizer_ids.bos_token_id, "eos_token_id": tokenizer_ids.eos_token_id},
+        {"bos_token_id": tokenizer_ids.bos_token_id, "eos_token_id": tokenizer_ids.eos_token_id,
+         **(generation_defaults or {})},
     )
     tensors = _to_checkpoint_tensors(tiny_weights(config, seed), torch_dtype, fp8)
     write_safetensors_checkpoint(out_path, tensors, num_shards)

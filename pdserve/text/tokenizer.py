@@ -78,7 +78,8 @@ class PromptTokenizer:
             self._compiled = environment.from_string(template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # The batch call drops the GIL while it works (a single encode holds it), so other threads run meanwhile.
+        return self.tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -94,7 +94,10 @@ class TokenEvent:
     request_id: str
     token_ids: list[int]
     text: str = ""  # detokenized delta, stop strings already cut
-    logprobs: list[float] | None = None
+    logprobs: list[float] | None = None  # per token: the model's log-probability of the chosen token
+    # per token: the most likely token ids and their log-probabilities, best first (when top_logprobs > 0)
+    top_token_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
     prompt_tokens: int = 0

@@ -1,6 +1,22 @@
 """Per-request sampling settings: what the offline API takes and what crosses the worker API as JSON."""
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class Grammar:
+    """A constraint on the generated text, compiled by the engine (llguidance) into a token mask per step.
+    `json_schema`: `source` is a JSON Schema (compact JSON, no free whitespace); `lark`: a Lark grammar in
+    llguidance's dialect (special tokens as `<[id]>`, JSON Schemas embedded with `%json`)."""
+
+    kind: Literal["json_schema", "lark"]
+    source: str
+    # Output tokens already generated under this grammar elsewhere (a stream migrated to another worker continues
+    # after them): the new matcher is advanced by them before the first step.
+    accepted_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -16,6 +32,12 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: bool = False  # return the log-probability of each chosen token
+    top_logprobs: int = 0  # and of this many most likely tokens at each position (0..20)
+    presence_penalty: float = 0.0  # subtracted once from every token already in the output (OpenAI)
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output (OpenAI)
+    repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt and output tokens
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits of these token ids
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -28,6 +50,11 @@ class SamplingParams:
             (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
             (self.min_tokens >= 0, "min_tokens must be >= 0"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
+            (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
+            (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty must be in (0, 2]"),
+            (all(-100.0 <= b <= 100.0 for b in self.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
         ]
         for ok, message in checks:
             if not ok:
@@ -36,3 +63,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

@@ -94,8 +94,9 @@ class _EnginePort:
     abort = free
 
     async def start_decoding(self, request_id: str, first: TokenEvent) -> TokenEvent:
-        logprob = first.logprobs[0] if first.logprobs else None
-        output = await self._runtime.steps.call(lambda: self._engine.start_decoding(request_id, first.token_ids[0], logprob))
+        sampled = RequestOutput(request_id, first.token_ids[:1], first.logprobs[:1] if first.logprobs else None,
+                                first.top_token_ids, first.top_logprobs)
+        output = await self._runtime.steps.call(lambda: self._engine.start_decoding(request_id, sampled))
         event = self._runtime._event(output)
         event.cached_tokens = first.cached_tokens
         return event
@@ -297,7 +298,8 @@ class RankRuntime:
     def _event(self, output: RequestOutput) -> TokenEvent:
         return TokenEvent(
             request_id=output.request_id, token_ids=output.new_token_ids, text=output.text,
-            logprobs=output.new_logprobs, finish_reason=output.finish_reason,  # type: ignore[arg-type]
+            logprobs=output.new_logprobs, top_token_ids=output.new_top_token_ids, top_logprobs=output.new_top_logprobs,
+            finish_reason=output.finish_reason,  # type: ignore[arg-type]
             prompt_tokens=output.prompt_tokens, cached_tokens=output.cached_tokens,
         )
 

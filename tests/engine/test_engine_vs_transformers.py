@@ -68,3 +68,22 @@ def test_prefill_logits_match_transformers(tiny_model_factory, arch):
         ref = hf(torch.tensor([prompt])).logits[0]
     assert len(seq) == 1
     assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-4
+
+
+@pytest.mark.parametrize("tokenizer", ["tiny", "deepseek"])
+def test_logprobs_equal_log_softmax_of_transformers_logits(tiny_model_factory, tokenizer):
+    """Chosen-token and top-5 log-probabilities (float32) are log-softmax of the reference model's logits."""
+    model_dir = tiny_model_factory("v3", tokenizer=tokenizer)
+    llm = LLM(model_dir, progress=False)
+    prompt = random_prompts(llm.engine.model_config.vocab_size, seed=1)[2]
+    sampling = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=5)
+    result = llm.generate(prompt_token_ids=[prompt], sampling=sampling)[0]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, experts_implementation="eager").eval()
+    with torch.no_grad():
+        reference = torch.log_softmax(hf(torch.tensor([prompt + result.token_ids])).logits[0].float(), dim=-1)
+    for step, token_id in enumerate(result.token_ids):
+        expected = reference[len(prompt) - 1 + step]
+        assert abs(result.logprobs[step] - expected[token_id].item()) < 1e-4
+        top = result.top_logprobs[step]
+        assert set(top) == set(expected.topk(5).indices.tolist())
+        assert max(abs(value - expected[token].item()) for token, value in top.items()) < 1e-4

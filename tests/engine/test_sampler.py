@@ -131,16 +131,32 @@ def test_temperature_sharpens_the_distribution():
     assert hot[0, 0].item() == pytest.approx(1 / (1 + math.exp(-0.5)))
 
 
-def test_logprobs_are_log_softmax_of_unfiltered_logits_after_banning():
+def test_logprobs_are_the_models_before_bans_and_adjustments():
     logits = torch.randn(3, VOCAB, generator=seeded(8))
     banned = [[0], [], [1, 2]]
     params = [SamplingParams(temperature=0.0, logprobs=True), SamplingParams(top_k=5), SamplingParams(temperature=0.3)]
-    result = sample_rows(logits, params, banned=banned)
-    masked = logits.clone()
-    for row, ids in enumerate(banned):
-        masked[row, ids] = float("-inf")
-    reference = torch.log_softmax(masked, dim=-1)
-    assert result.logprobs == pytest.approx([reference[row, tok].item() for row, tok in enumerate(result.token_ids)])
+
+    def push_token_7(rows: torch.Tensor) -> None:
+        rows[:, 7] += 100.0
+
+    result = sample(logits, params, [seeded(s) for s in range(3)], banned, push_token_7)
+    assert result.token_ids == [7, 7, 7]
+    reference = torch.log_softmax(logits, dim=-1)
+    assert result.logprobs == pytest.approx([reference[row, 7].item() for row in range(3)])
+
+
+def test_top_logprobs_are_the_models_most_likely_tokens_per_row():
+    logits = torch.randn(4, VOCAB, generator=seeded(9))
+    params = [SamplingParams(top_logprobs=3), SamplingParams(temperature=0.0), SamplingParams(top_logprobs=20),
+              SamplingParams(logprobs=True, top_logprobs=1)]
+    result = sample_rows(logits, params, banned=[[int(logits[0].argmax())], [], [], []])
+    reference = torch.log_softmax(logits, dim=-1)
+    assert [len(row) for row in result.top_token_ids] == [3, 0, 20, 1]
+    for row, (ids, values) in enumerate(zip(result.top_token_ids, result.top_logprobs)):
+        best = reference[row].topk(len(ids))
+        assert values == pytest.approx(best.values.tolist())
+        assert [reference[row, i].item() for i in ids] == pytest.approx(values)
+    assert result.top_token_ids[0][0] == int(logits[0].argmax())  # the model's favourite, though banned
 
 
 def test_mismatched_batch_sizes_are_rejected():

@@ -6,6 +6,7 @@ tests/helm/test_chart.py::test_router_role_allows_only_reading_pods_in_its_names
 import ast
 import importlib
 import pkgutil
+import re
 import statistics
 import subprocess
 import sys
@@ -68,6 +69,7 @@ def v1_routes(model_dir: str) -> list[tuple[str, str]]:
 
 def call(url: str, method: str, path: str, authorization: str | None, model: str = "x") -> httpx.Response:
     headers = {"Authorization": authorization} if authorization else {}
+    path = re.sub(r"\{[^}]*\}", model, path)  # path parameters (/v1/models/{model_id}) name the served model
     body = {"model": model, "prompt": "hi", "max_tokens": 1} if "chat" not in path else \
         {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     return httpx.request(method, url + path, headers=headers, json=body if method == "POST" else None, timeout=10)

@@ -40,8 +40,8 @@ class RunningRouter:
 
 
 def config_for(model_dir, **overrides) -> RouterConfig:
-    return RouterConfig(model_dir=str(model_dir), served_model_name="tiny", max_model_len=MAX_MODEL_LEN,
-                        max_body_bytes=64 * 1024, **overrides)
+    settings = {"served_model_name": "tiny", "max_model_len": MAX_MODEL_LEN, "max_body_bytes": 64 * 1024, **overrides}
+    return RouterConfig(model_dir=str(model_dir), **settings)
 
 
 @pytest.fixture(scope="module")

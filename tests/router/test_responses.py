@@ -5,11 +5,13 @@ import json
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from pdserve_router.responses import ChoiceOutput, ResponseBuilder, usage
+from pdserve.wire.protocol import TokenEvent
+from pdserve_router.responses import ChoiceOutput, ResponseBuilder, ResponseOptions, usage
 
 
-def builder(tokenizer, kind, logprobs=False, token_ids=False) -> ResponseBuilder:
-    return ResponseBuilder(kind, "id-1", 1700000000, "tiny", tokenizer, logprobs, token_ids)
+def builder(tokenizer, kind, logprobs=False, token_ids=False, **options) -> ResponseBuilder:
+    return ResponseBuilder(kind, "id-1", 1700000000, "tiny", tokenizer,
+                           ResponseOptions(logprobs=logprobs, return_token_ids=token_ids, **options))
 
 
 def outputs() -> list[ChoiceOutput]:
@@ -43,9 +45,66 @@ def test_whole_chat_and_chunks_parse_as_sdk_types(tiny_model_dir):
     parsed = ChatCompletion.model_validate(chat.whole(outputs(), usage(outputs(), 2)))
     assert parsed.choices[1].message.content == "world" and parsed.choices[0].finish_reason == "length"
     assert [t.logprob for t in parsed.choices[0].logprobs.content] == [-0.1, -0.2]
-    chunk = chat.chunk(outputs()[0], "he", [5], [-0.1], None, first=True, text_offset=0)
+    chunk = chat.chunk(outputs()[0], TokenEvent("r", [5], "he", [-0.1]), first=True, text_offset=0)
     assert chunk.startswith(b"data: ") and chunk.endswith(b"\n\n")
     parsed_chunk = ChatCompletionChunk.model_validate(json.loads(chunk[6:]))
     assert parsed_chunk.choices[0].delta.role == "assistant" and parsed_chunk.choices[0].delta.content == "he"
     usage_chunk = ChatCompletionChunk.model_validate(json.loads(chat.usage_chunk(usage(outputs(), 2))[6:]))
     assert usage_chunk.choices == [] and usage_chunk.usage.total_tokens == 6
+
+
+def test_top_logprobs_in_chat_and_completion_bodies(tiny_model_dir):
+    from pdserve.text.tokenizer import PromptTokenizer
+
+    tokenizer = PromptTokenizer(str(tiny_model_dir))
+    choice = ChoiceOutput(0, [1], text="ab", token_ids=[5, 6], logprobs=[-0.1, -0.2],
+                          top_token_ids=[[5, 9], [6, 8]], top_logprobs=[[-0.1, -2.5], [-0.2, -3.0]], finish_reason="stop")
+    chat = ChatCompletion.model_validate(builder(tokenizer, "chat", True, top_logprobs=2).whole([choice], usage([choice], 1)))
+    alternatives = chat.choices[0].logprobs.content[1].top_logprobs
+    assert [a.logprob for a in alternatives] == [-0.2, -3.0]
+    assert alternatives[1].token == tokenizer.decode([8])
+    completion = Completion.model_validate(builder(tokenizer, "completion", True, top_logprobs=2).whole([choice], usage([choice], 1)))
+    assert completion.choices[0].logprobs.top_logprobs[0] == {tokenizer.decode([5]): -0.1, tokenizer.decode([9]): -2.5}
+
+
+CALL_TEXT = ('Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+             '{"city":"Paris"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{}'
+             '\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+
+
+def test_tool_calls_are_parsed_out_of_a_whole_chat_response(tiny_model_dir):
+    from pdserve.text.tokenizer import PromptTokenizer
+
+    choice = ChoiceOutput(0, [1], text=CALL_TEXT, token_ids=[5], finish_reason="stop")
+    chat = builder(PromptTokenizer(str(tiny_model_dir)), "chat", parse_tool_calls=True)
+    parsed = ChatCompletion.model_validate(chat.whole([choice], usage([choice], 1)))
+    message = parsed.choices[0].message
+    assert parsed.choices[0].finish_reason == "tool_calls" and message.content == "Sure."
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [
+        ("get_weather", '{"city":"Paris"}'), ("get_time", "{}")]
+    assert len({c.id for c in message.tool_calls}) == 2
+    one = builder(PromptTokenizer(str(tiny_model_dir)), "chat", parse_tool_calls=True, max_tool_calls=1)
+    assert len(ChatCompletion.model_validate(one.whole([choice], usage([choice], 1))).choices[0].message.tool_calls) == 1
+
+
+def test_streamed_tool_call_deltas_add_up_to_the_whole_calls(tiny_model_dir):
+    from pdserve.text.tokenizer import PromptTokenizer
+
+    chat = builder(PromptTokenizer(str(tiny_model_dir)), "chat", parse_tool_calls=True)
+    choice = ChoiceOutput(0, [1])
+    content, calls, finish = "", {}, None
+    pieces = [CALL_TEXT[i:i + 5] for i in range(0, len(CALL_TEXT), 5)]
+    for position, piece in enumerate(pieces):
+        last = position == len(pieces) - 1
+        chunk = chat.chunk(choice, TokenEvent("r", [5], piece, finish_reason="stop" if last else None), position == 0, 0)
+        if chunk is None:
+            continue
+        delta = ChatCompletionChunk.model_validate(json.loads(chunk[6:])).choices[0]
+        content += delta.delta.content or ""
+        finish = delta.finish_reason or finish
+        for call in delta.delta.tool_calls or []:
+            entry = calls.setdefault(call.index, {"id": call.id, "name": call.function.name, "arguments": ""})
+            entry["arguments"] += call.function.arguments or ""
+    assert content == "Sure." and finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", '{"city":"Paris"}'), ("get_time", "{}")]
+    assert all(c["id"] for c in calls.values())

@@ -1,0 +1,24 @@
+"""Tokenization, chat templating and grammar checks on a few threads, so that a huge prompt never stalls the event
+loop that streams every other request's tokens. Threads suffice: `tokenizers` drops the GIL while it encodes a
+batch (the bulk of the work), and a template's Jinja rendering of even a 4 MiB message is milliseconds."""
+
+import asyncio
+import concurrent.futures
+import functools
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class TextWorkers:
+    def __init__(self, threads: int) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="router-text")
+        self.jobs_started = 0  # how many jobs were handed to the threads (tests: a refused prompt starts none)
+
+    async def run(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        self.jobs_started += 1
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

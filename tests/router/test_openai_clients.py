@@ -1,0 +1,257 @@
+"""Unchanged OpenAI clients against a real prefill/decode cluster on a tiny V3 model with DeepSeek's real tokenizer:
+structured outputs through the SDK's `parse`, tool calls (streamed, and in LangChain's and the openai-agents SDK's
+agent loops), real top logprobs, and a huge prompt's tokenization that never stalls another stream.
+
+The tiny model's free output is noise, so tool calls come from `tool_choice` required or named (a grammar makes the
+model write one), final answers from `tool_choice: none`, and everything is greedy, hence deterministic."""
+
+import json
+import threading
+import time
+from typing import Literal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from pdserve import LLM, SamplingParams
+from pdserve.cluster.local import ClusterConfig, LocalCluster
+from pdserve.text.grammars import json_schema_source
+from pdserve.wire.sampling import Grammar
+
+from probes import wait_for
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "description": "Current time in a zone.",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+                   "required": ["zone"], "additionalProperties": False}}}
+QUESTIONS = ["What is the weather in Paris?", "Is it raining in Rome?", "Describe the sky today.", "Weather report, please.",
+             "Give me a forecast for tomorrow."]
+
+
+class Weather(BaseModel):
+    city: str = Field(max_length=10)
+    temperature_c: int = Field(ge=-50, le=60)
+    sky: Literal["sunny", "cloudy", "rain"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_v3_deepseek, ray_address, tmp_path_factory):
+    cfg = ClusterConfig(model=tiny_v3_deepseek, port=0, num_prefill=1, num_decode=1, ray_address=ray_address,
+                        worker_args=("--dtype", "float32", "--num-pages", "512"),
+                        router_args=("--max-body-bytes", str(8 * 2**20), "--max-prompt-chars", str(6 * 2**20)),
+                        log_dir=str(tmp_path_factory.mktemp("openai-clients-logs")))
+    with LocalCluster(cfg) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def test_sdk_parse_returns_the_pydantic_model_for_every_prompt(client, model):
+    for question in QUESTIONS:
+        completion = client.chat.completions.parse(model=model, messages=[{"role": "user", "content": question}],
+                                                   response_format=Weather, temperature=0, max_tokens=100)
+        parsed = completion.choices[0].message.parsed
+        assert isinstance(parsed, Weather) and completion.choices[0].finish_reason == "stop"
+
+
+def test_constrained_greedy_tokens_across_prefill_and_decode_equal_one_engine(client, model, tiny_v3_deepseek):
+    """The decode rank re-creates the matcher and advances it by the prefill rank's first token: the tokens are the
+    offline engine's (a matcher left at the start would reject the second token's JSON)."""
+    schema = {**Weather.model_json_schema(), "additionalProperties": False}
+    response = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": QUESTIONS[0]}], temperature=0, max_tokens=100,
+        response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": schema, "strict": True}},
+        extra_body={"return_token_ids": True})
+    choice = response.choices[0].model_extra
+    offline = LLM(tiny_v3_deepseek, progress=False).generate(
+        prompt_token_ids=[choice["prompt_token_ids"]],
+        sampling=SamplingParams(max_tokens=100, temperature=0.0, grammar=Grammar("json_schema", json_schema_source(schema))))
+    assert choice["token_ids"] == offline[0].token_ids
+    jsonschema.validate(json.loads(response.choices[0].message.content), schema)
+
+
+def test_json_object_mode_gives_a_json_object(client, model):
+    response = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "JSON please"}],
+                                              response_format={"type": "json_object"}, temperature=0, max_tokens=200)
+    if response.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(response.choices[0].message.content), dict)
+    else:  # an unbounded object may run to max_tokens, as with OpenAI; what came is still a JSON prefix
+        assert response.choices[0].message.content.startswith("{")
+
+
+def test_streamed_required_tool_call_assembles_to_a_valid_call(client, model):
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": QUESTIONS[0]}], tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=60, stream=True)
+    calls, finish, chunks = {}, None, 0
+    for chunk in stream:
+        chunks += 1
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            entry = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
+            entry["id"] = entry["id"] or delta.id
+            entry["name"] = entry["name"] or (delta.function.name if delta.function else None)
+            entry["arguments"] += (delta.function.arguments or "") if delta.function else ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and list(calls) == [0] and chunks > 2
+    call = calls[0]
+    tool = {"get_weather": WEATHER_TOOL, "get_time": TIME_TOOL}[call["name"]]
+    jsonschema.validate(json.loads(call["arguments"]), tool["function"]["parameters"])
+    assert call["id"].startswith("call_")
+
+
+def test_named_tool_choice_calls_that_tool_and_history_with_tool_results_is_accepted(client, model):
+    messages = [{"role": "user", "content": "Time in CET?"}]
+    first = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER_TOOL, TIME_TOOL],
+                                           tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                           temperature=0, max_tokens=60)
+    call = first.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_time" and first.choices[0].message.content is None
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "12:00"}]
+    final = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER_TOOL, TIME_TOOL],
+                                           tool_choice="none", temperature=0, max_tokens=20)
+    assert final.choices[0].message.tool_calls is None and final.choices[0].finish_reason in ("stop", "length")
+    assert final.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result are in the prompt
+
+
+def test_top_logprobs_whole_and_streamed(client, model):
+    kwargs = dict(model=model, messages=[{"role": "user", "content": "Hello"}], temperature=0, max_tokens=6,
+                  logprobs=True, top_logprobs=5, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    assert len(whole) == 6
+    for entry in whole:
+        values = [alternative.logprob for alternative in entry.top_logprobs]
+        assert len(values) == 5 and values == sorted(values, reverse=True)
+        assert entry.logprob == pytest.approx(values[0])  # greedy: the chosen token is the most likely
+    streamed = [e for chunk in client.chat.completions.create(stream=True, **kwargs) if chunk.choices
+                and chunk.choices[0].logprobs for e in chunk.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in whole]
+    assert [len(e.top_logprobs) for e in streamed] == [5] * 6
+    completion = client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0, logprobs=3,
+                                           extra_body={"ignore_eos": True})
+    assert [len(top) for top in completion.choices[0].logprobs.top_logprobs] == [3] * 4
+
+
+def test_logit_bias_penalties_and_echo_change_the_output_as_in_the_engine(client, model, tiny_v3_deepseek):
+    base = dict(model=model, prompt="The harbor town", max_tokens=8, temperature=0)
+    plain = client.completions.create(**base, extra_body={"ignore_eos": True}).choices[0].text
+    forced = client.completions.create(**base, logit_bias={"4": 100}, extra_body={"ignore_eos": True}).choices[0].text
+    llm = LLM(tiny_v3_deepseek, progress=False)
+    assert forced == llm.engine.tokenizer.decode([4] * 8) and forced != plain
+    # A bias of 34 makes token 4 win from the fourth token on; the penalties stop it after two, as the engine does.
+    biased = client.completions.create(**base, logit_bias={"4": 34}, extra_body={"ignore_eos": True, "return_token_ids": True})
+    penalized = client.completions.create(**base, logit_bias={"4": 34}, frequency_penalty=2.0, presence_penalty=2.0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+    repeated = client.completions.create(**base, logit_bias={"4": 34},
+                                         extra_body={"ignore_eos": True, "return_token_ids": True, "repetition_penalty": 2.0})
+    prompt = biased.choices[0].model_extra["prompt_token_ids"]
+
+    def offline(**penalties) -> list[int]:
+        sampling = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logit_bias={4: 34.0}, **penalties)
+        return llm.generate(prompt_token_ids=[prompt], sampling=sampling)[0].token_ids
+
+    with_penalties = offline(frequency_penalty=2.0, presence_penalty=2.0)
+    assert biased.choices[0].model_extra["token_ids"] == offline() != with_penalties
+    assert penalized.choices[0].model_extra["token_ids"] == with_penalties
+    assert repeated.choices[0].model_extra["token_ids"] == offline(repetition_penalty=2.0) != offline()
+    echoed = client.completions.create(**base, echo=True, extra_body={"ignore_eos": True}).choices[0].text
+    assert echoed == "The harbor town" + plain
+
+
+def test_langchain_two_tool_agent_loop_reaches_a_final_answer(cluster, model):
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:
+        """Current weather in a city."""
+        return f"sunny in {city}"
+
+    @tool
+    def get_time(zone: Literal["UTC", "CET"]) -> str:
+        """Current time in a zone."""
+        return f"12:00 {zone}"
+
+    tools = {"get_weather": get_weather, "get_time": get_time}
+    llm = ChatOpenAI(model=model, base_url=cluster.url + "/v1", api_key="unused", temperature=0, max_tokens=60,
+                     max_retries=0, timeout=120)
+    messages = [HumanMessage("What is the weather in Paris, and the time in CET?")]
+    for name in ("get_weather", "get_time"):  # the agent's two tool steps
+        reply = llm.bind_tools(list(tools.values()), tool_choice=name, parallel_tool_calls=False).invoke(messages)
+        assert [call["name"] for call in reply.tool_calls] == [name]
+        messages += [reply, ToolMessage(tools[name].invoke(reply.tool_calls[0]["args"]), tool_call_id=reply.tool_calls[0]["id"])]
+    final = llm.bind_tools(list(tools.values()), tool_choice="none").invoke(messages)
+    assert final.tool_calls == [] and isinstance(final.content, str)
+    assert final.response_metadata["finish_reason"] in ("stop", "length")
+
+
+def test_openai_agents_sdk_runs_a_function_tool_to_a_final_output(cluster, model):
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    cities = []
+
+    @function_tool
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:
+        """Current weather in a city."""
+        cities.append(city)
+        return f"sunny in {city}"
+
+    agent = Agent(
+        name="weather", instructions="Use the tool, then answer.", tools=[get_weather],
+        model=OpenAIChatCompletionsModel(model=model, openai_client=openai.AsyncOpenAI(
+            base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)),
+        # required on the first turn; the SDK resets tool_choice after a tool call, so the next turn answers
+        model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=40, parallel_tool_calls=False),
+    )
+    result = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
+    assert cities and cities[0] in ("Paris", "Rome")
+    assert isinstance(result.final_output, str)
+
+
+def test_a_huge_prompt_being_tokenized_does_not_stall_another_stream(cluster, model):
+    arrivals: list[float] = []
+    stop = threading.Event()
+
+    def read_stream() -> None:
+        body = {"model": model, "prompt": "Stream on", "max_tokens": 3000, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    arrivals.append(time.monotonic())
+                if stop.is_set():
+                    return
+
+    reader = threading.Thread(target=read_stream, daemon=True)
+    reader.start()
+    try:
+        wait_for(lambda: len(arrivals) >= 3, 60, "the stream's first tokens")
+        started = time.monotonic()
+        huge = ("lorem ipsum dolor sit amet " * (4 * 2**20 // 27 + 1))[: 4 * 2**20]
+        response = httpx.post(cluster.url + "/v1/completions", json={"model": model, "prompt": huge, "max_tokens": 1},
+                              timeout=120)
+        finished = time.monotonic()
+    finally:
+        stop.set()
+        reader.join(timeout=30)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "context_length_exceeded"  # it was tokenized whole
+    during = [t for t in arrivals if started < t < finished]
+    assert len(during) >= 3, f"{len(during)} tokens arrived in the {finished - started:.1f} s of tokenization"
