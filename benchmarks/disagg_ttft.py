@@ -4,6 +4,7 @@ processes, prompts of 256 to 8k tokens; plus the KV transfer rate the prefill si
     python benchmarks/disagg_ttft.py [--repeats 3]                 # CPU: tiny generated model, float32
     python benchmarks/disagg_ttft.py --device cuda                  # GPU: V2-Lite shape, random bf16 weights,
                                                                     # the three workers sharing one GPU (VRAM -> VRAM)
+    [--nixl-progress-thread auto|on|off] [--prompt-lengths 256,1024]
 
 Prints one table. TTFT here is measured at the worker API (no router), first streamed token.
 """
@@ -46,8 +47,8 @@ def transfer_totals(prefill_url: str) -> tuple[float, float]:
     return total("pdserve_kv_transfer_bytes_total"), total("pdserve_kv_transfer_seconds_sum")
 
 
-def cluster_config(device: str) -> tuple[ClusterConfig, str]:
-    common = ("--no-prefix-cache", "--max-num-batched-tokens", "8192")
+def cluster_config(device: str, progress_thread: str) -> tuple[ClusterConfig, str]:
+    common = ("--no-prefix-cache", "--max-num-batched-tokens", "8192", "--nixl-progress-thread", progress_thread)
     if device == "cuda":
         # Three V2-Lite workers (31 GB of bf16 weights each) on one GPU: a share of it each, pools sized by hand.
         v2_lite_dir = make_config_only_model(tempfile.mkdtemp(), json.loads(V2_LITE_CONFIG.read_text()))
@@ -66,14 +67,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--nixl-progress-thread", choices=("auto", "on", "off"), default="auto")
+    parser.add_argument("--prompt-lengths", default=",".join(map(str, PROMPT_LENGTHS)))
     args = parser.parse_args()
-    cfg, title = cluster_config(args.device)
+    cfg, title = cluster_config(args.device, args.nixl_progress_thread)
+    title += f"; NIXL progress thread {args.nixl_progress_thread}"
     sampling = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
     rows = []
     with LocalCluster(cfg) as cluster:
         prefill, decode, both = cluster.workers
-        for n in PROMPT_LENGTHS:
+        for n in (int(n) for n in args.prompt_lengths.split(",")):
             colocated, disaggregated = [], []
             bytes_before, seconds_before = transfer_totals(prefill.url)
             for i in range(args.repeats + 1):  # the first of each is a warm-up

@@ -20,7 +20,7 @@ from pdserve.text.tokenizer import PromptTokenizer
 from pdserve_router import openai_schema as schema
 from pdserve_router.admission import Admission, authenticate, read_body_limited
 from pdserve_router.config import RouterConfig
-from pdserve_router.discovery import Discovery, KubernetesDiscovery, StaticDiscovery
+from pdserve.discovery.endpoints import Discovery, KubernetesDiscovery, StaticDiscovery
 from pdserve_router.dispatch import Dispatcher
 from pdserve_router.errors import APIError
 from pdserve_router.metrics import RouterMetrics

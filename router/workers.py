@@ -14,7 +14,7 @@ import httpx
 
 from pdserve.wire.client import WorkerClient, WorkerUnavailable
 from pdserve.wire.protocol import RankLoad, WorkerHealth, WorkerInfo
-from pdserve_router.discovery import Discovery
+from pdserve.discovery.endpoints import Discovery
 from pdserve_router.metrics import RouterMetrics
 from pdserve_router.prefix_index import PrefixIndex, RankKey
 

@@ -10,11 +10,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Lower layers never import higher ones; packages of one layer do not import each other.
 LAYERS = [
-    {"wire", "text", "http"},  # what crosses process boundaries; no torch
+    {"wire", "text", "http", "discovery"},  # what crosses process boundaries, where peers are; no torch
     {"cache"},  # pages and the prefix tree (pure Python)
     {"ops", "transfer"},
     {"model"},
     {"engine"},
+    {"disagg"},  # the prefill -> decode hand-off: its states per request and role, over an engine and a transport
     {"worker", "router"},  # the two server processes
     {"cluster", "bench"},
     {"cli"},

@@ -150,13 +150,6 @@ prometheus.io/port: {{ .port | quote }}
   mountPath: /home/pdserve/.cache
 {{- end }}
 
-{{- define "pdserve.workerServiceAccountName" -}}
-{{- if .Values.serviceAccount.create }}
-{{- printf "%s-worker" (include "pdserve.serviceAccountName" .) }}
-{{- else }}
-{{- default "default" .Values.serviceAccount.name }}
-{{- end }}
-{{- end }}
 
 {{- define "pdserve.internalSecretName" -}}
 {{- default (printf "%s-internal" (include "pdserve.fullname" .)) .Values.internalAuth.existingSecret }}

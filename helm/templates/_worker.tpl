@@ -49,6 +49,11 @@ pdserve.io/pool: {{ .name }}
 {{- if .pool.expertParallel }}
 - --expert-parallel
 {{- end }}
+{{- /* Hand-off peers: the pods discovery names, under the URL it names them by (the pod IP). */}}
+- --advertise-url=http://$(POD_IP):{{ .root.Values.worker.port }}
+- --discovery=k8s
+- --k8s-namespace={{ .root.Release.Namespace }}
+- --k8s-label-selector={{ include "pdserve.discoverySelector" .root }}
 {{- range .root.Values.worker.extraArgs }}
 - {{ . | quote }}
 {{- end }}
@@ -61,9 +66,7 @@ pdserve.io/pool: {{ .name }}
 {{- $multiNode := $pool.multiNode.enabled }}
 {{- $rayPort := $pool.multiNode.rayPort }}
 {{- $gpus := include "pdserve.gpusPerPod" $pool -}}
-serviceAccountName: {{ include "pdserve.workerServiceAccountName" $root }}
-# Workers call no Kubernetes API: no token in their pods.
-automountServiceAccountToken: false
+serviceAccountName: {{ include "pdserve.serviceAccountName" $root }}
 securityContext:
   {{- toYaml $root.Values.podSecurityContext | nindent 2 }}
 {{- /* Drain budget: the preStop wait, then the worker's own drain (--drain-timeout-s, after SIGTERM), then a margin

@@ -82,13 +82,15 @@ class LocalCluster:
                          logging_level=logging.WARNING, namespace="pdserve")
             self.ray_address = ray.get_runtime_context().gcs_address
         roles = ["prefill"] * cfg.num_prefill + ["decode"] * cfg.num_decode + ["both"] * cfg.num_both
+        ports = [free_port() for _ in roles]
+        peers = ",".join(f"http://127.0.0.1:{port}" for port in ports)  # every worker may hand KV to every other
         counts: dict[str, int] = {}
-        for role in roles:
+        for role, port in zip(roles, ports):
             index = counts[role] = counts.get(role, -1) + 1
             self.workers.append(self._spawn(f"{role}-{index}", [
                 "worker", "--role", role, "--ranks", str(cfg.ranks_per_worker), "--model", cfg.model,
-                "--ray-address", self.ray_address, *cfg.worker_args,
-            ]))
+                "--ray-address", self.ray_address, "--peers", peers, *cfg.worker_args,
+            ], port=port))
         deadline = time.monotonic() + cfg.start_timeout_s
         for worker in self.workers:
             self._wait_healthy(worker, deadline)

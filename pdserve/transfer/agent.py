@@ -8,7 +8,7 @@ UCX transports: no UCX_* variable is needed. On one host without GPUs UCX puts o
 (process_vm_writev) and sends notifications over `tcp` on loopback; between nodes it picks `rc`/`dc` on
 InfiniBand/RoCE or `tcp`. Where `cma` is blocked (a container without CAP_SYS_PTRACE), UCX_TLS=tcp,self
 works, about 3x slower here. UCX reads these variables itself; this module reads none.
-Not thread-safe: use an agent from one thread (the rank's step loop).
+Not thread-safe: use an agent from one thread (`nixl_backend.NixlBackend`'s transfer thread).
 """
 
 import logging
@@ -20,6 +20,7 @@ from typing import Literal, TypeVar
 import torch
 from nixl._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
 
+from pdserve.transfer.errors import TransferError, TransferTimeout
 from pdserve.transfer.layout import PoolLayout, check_page_ids, page_runs, run_descriptors
 from pdserve.transfer.metadata import METADATA_VERSION, AgentMetadata, decode_metadata, encode_metadata
 
@@ -27,14 +28,6 @@ log = logging.getLogger(__name__)
 
 TransferState = Literal["pending", "done", "error"]
 T = TypeVar("T")
-
-
-class TransferError(RuntimeError):
-    """A write failed: the peer died or disconnected, is unknown, or NIXL reported an error."""
-
-
-class TransferTimeout(TransferError):
-    """A write did not complete within the caller's deadline; it was cancelled (released)."""
 
 
 @dataclass(eq=False)

@@ -12,6 +12,8 @@ from pdserve.wire.protocol import (
     GenerateRequest,
     KVEventBatch,
     LoadReport,
+    Reservation,
+    ReservationQuery,
     TokenEvent,
     WorkerHealth,
     WorkerInfo,
@@ -91,6 +93,20 @@ class WorkerClient:
             )
         except httpx.HTTPError:
             pass  # the worker is gone or the request already finished: nothing left to abort
+
+    async def confirm_reservation(self, query: ReservationQuery) -> Reservation | None:
+        """A decode worker's reservation for a prefill plan; None when it refused the query (403)."""
+        try:
+            response = await self._http.post(self.url + "/internal/v1/transfer/reservation",
+                                             content=msgspec.json.encode(query), timeout=self._timeout_s,
+                                             headers={"content-type": "application/json"})
+        except httpx.HTTPError as error:
+            raise _unreachable(f"{self.url}/internal/v1/transfer/reservation", error) from error
+        if response.status_code == 403:
+            return None
+        if response.status_code != 200:
+            raise WorkerUnavailable(f"{self.url}/internal/v1/transfer/reservation: HTTP {response.status_code}")
+        return msgspec.json.decode(response.content, type=Reservation)
 
     async def generate(self, request: GenerateRequest, first_token_timeout_s: float) -> AsyncIterator[TokenEvent]:
         """Stream the request's TokenEvents. WorkerUnavailable before the first event means nothing was generated

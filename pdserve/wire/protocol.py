@@ -7,7 +7,7 @@ Endpoints (all on the worker's HTTP port; see docs/architecture.md):
   POST /internal/v1/generate              GenerateRequest -> NDJSON stream of TokenEvent
   POST /internal/v1/abort                 AbortRequest -> {}
   GET  /internal/v1/kv_events?rank=R&after=SEQ -> NDJSON stream of KVEventBatch (long-lived)
-  GET  /internal/v1/transfer/metadata?rank=R  -> TransferMetadata (NIXL agent metadata of a rank)
+  POST /internal/v1/transfer/reservation  ReservationQuery -> Reservation (decode worker; 403 unless the token fits)
   GET  /metrics                           -> Prometheus text
 """
 
@@ -33,17 +33,38 @@ class PrefillSource:
 
 @dataclass
 class KVDestination:
-    """Where a prefill-only request writes its KV: pages reserved on a decode rank."""
+    """Where a prefill-only request writes its KV: a reservation a decode rank made. The prefill worker trusts none
+    of it as given: it resolves `url` among the workers it discovered and asks that worker, with the token, for the
+    reservation itself (`Reservation`)."""
 
-    url: str  # the decode worker, for fetching its NIXL agent metadata once
+    url: str  # the decode worker, as discovery names it
     rank: int
+    reservation_token: str  # unguessable, made by the decode rank for this request
+
+
+@dataclass
+class ReservationQuery:
+    """A prefill worker asks the decode worker it resolved for the reservation a prefill plan names."""
+
+    rank: int
+    request_id: str
+    reservation_token: str
+
+
+@dataclass
+class Reservation:
+    """The decode rank's answer, given once per reservation: where and until when the prefill rank may write."""
+
     agent_name: str
+    agent_metadata: bytes  # what a writer needs to reach the decode rank's pool (memory keys): only to token holders
     page_ids: list[int]  # one per page of the prompt, in order
-    skip_pages: int = 0  # leading pages the decode rank already holds (prefix reuse): not written
-    # Wall-clock (Unix) time after which the prefill rank must not post the WRITE (0: no limit). The decode rank
-    # keeps a failed reservation until then plus the transfer timeout and a margin, so a late WRITE cannot land in
-    # pages given to another request. Assumes host clocks agree to well under a second (NTP).
-    write_deadline_unix_s: float = 0.0
+    skip_pages: int  # leading pages the decode rank already holds: not written
+    # Wall-clock (Unix) time after which the prefill rank must not post the WRITE; a posted WRITE is cancelled after
+    # `transfer_timeout_s`. The decode rank keeps a reservation it gave up on out of use until both have passed (plus
+    # a margin), so a late WRITE cannot land in pages given to another request. Assumes host clocks agree to well
+    # under a second (NTP).
+    write_deadline_unix_s: float
+    transfer_timeout_s: float
 
 
 @dataclass
@@ -96,6 +117,9 @@ class RankLoad:
     free_pages: int
     total_pages: int
     prefix_cache_pages: int
+    steps_completed: int = 0  # engine steps this rank has run since it started
+    loop_stalled_s: float = 0.0  # how long the rank's step loop has been in one step or command (0 while it turns)
+    warming_up: bool = False  # running its warm-up (a restarted rank): not ready for traffic yet
 
 
 @dataclass
@@ -109,6 +133,7 @@ class RankInfo:
     page_size: int
     num_pages: int
     agent_name: str
+    warmup_s: float = 0.0  # how long the rank ran its warm-up before it reported ready
 
 
 @dataclass
@@ -132,10 +157,3 @@ class KVEventBatch:
     rank: int
     seq: int  # increases by one per batch; a gap means events were lost: resync from a full dump
     events: list[KVEvent]
-
-
-@dataclass
-class TransferMetadata:
-    rank: int
-    agent_name: str
-    agent_metadata_b64: str

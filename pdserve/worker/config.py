@@ -27,6 +27,15 @@ class WorkerConfig:
     request_read_timeout_s: float = 30.0  # a request must arrive whole within this of its first byte (slow clients)
     # The deployment's shared secret: required on every internal-API call, sent on the calls this worker makes.
     internal_token: str = field(default="", repr=False)
+    # Hand-off peers: the workers this one exchanges KV with (static URLs, or pods through Kubernetes discovery).
+    peers: tuple[str, ...] = ()
+    discovery: str = "static"  # static | k8s
+    k8s_namespace: str = "default"
+    k8s_label_selector: str = "app.kubernetes.io/name=pdserve"
+    nixl_progress_thread: bool | None = None  # None: on for GPU pools, off on the CPU
+    warmup: bool = True
+    stuck_step_timeout_s: float = 300.0  # a rank whose step loop has not turned for this long is unhealthy
+    test_step_delay_s: float = 0.0  # test hook: each step after warm-up sleeps this long first
 
     @property
     def url(self) -> str:
@@ -67,6 +76,19 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--internal-token-file", default="",
                         help="file holding the internal-API credential (default: $PDSERVE_INTERNAL_TOKEN, else a "
                              "per-user file shared with a router and workers started on this machine)")
+    parser.add_argument("--peers", default="",
+                        help="comma-separated URLs of the workers this one may exchange KV with (static discovery)")
+    parser.add_argument("--discovery", choices=("static", "k8s"), default="static",
+                        help="where hand-off peers come from: --peers, or the pods Kubernetes lists")
+    parser.add_argument("--k8s-namespace", default="default")
+    parser.add_argument("--k8s-label-selector", default="app.kubernetes.io/name=pdserve")
+    parser.add_argument("--nixl-progress-thread", choices=("auto", "on", "off"), default="auto",
+                        help="NIXL's own progress thread (spins a core): auto = on for GPU pools, off on the CPU")
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="report ready without first running every kernel variant once")
+    parser.add_argument("--stuck-step-timeout-s", type=float, default=300.0,
+                        help="a rank whose step loop has not moved on for this long is unhealthy (a long step is not)")
+    parser.add_argument("--test-step-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: slow steps
 
 
 def worker_config_from_args(args: argparse.Namespace, model_dir: str) -> WorkerConfig:
@@ -84,4 +106,9 @@ def worker_config_from_args(args: argparse.Namespace, model_dir: str) -> WorkerC
         drain_timeout_s=args.drain_timeout_s, gpus_per_rank=args.gpus_per_rank,
         request_read_timeout_s=args.request_read_timeout_s,
         internal_token=internal_token_from(args.internal_token_file, os.environ),
+        peers=tuple(url.strip() for url in args.peers.split(",") if url.strip()), discovery=args.discovery,
+        k8s_namespace=args.k8s_namespace, k8s_label_selector=args.k8s_label_selector,
+        nixl_progress_thread={"auto": None, "on": True, "off": False}[args.nixl_progress_thread],
+        warmup=not args.no_warmup, stuck_step_timeout_s=args.stuck_step_timeout_s,
+        test_step_delay_s=args.test_step_delay_s,
     )

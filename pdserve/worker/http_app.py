@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
 
+from pdserve.disagg.guard import HandoffGuard, HandoffRefused
 from pdserve.http.internal_auth import InternalAuth
 from pdserve.http.slow_clients import client_left
 from pdserve.wire.protocol import (
@@ -18,6 +19,9 @@ from pdserve.wire.protocol import (
     AbortRequest,
     GenerateRequest,
     LoadReport,
+    RankLoad,
+    Reservation,
+    ReservationQuery,
     TokenEvent,
     WorkerHealth,
     WorkerInfo,
@@ -30,37 +34,51 @@ from pdserve.worker.rank_actors import RankHandle
 log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 10.0
 HEALTH_INTERVAL_S = 1.0
+LOAD_TIMEOUT_S = 5.0  # the actor answers load from its snapshot: only a dead or restarting rank takes this long
 KV_EVENT_POLL_S = 0.05
 
 
+def rank_condition(load: RankLoad | None, stuck_after_s: float) -> str:
+    """ok; warming_up (a restarted rank: not ready yet); stuck (its step loop has not turned for `stuck_after_s`: a
+    long step, like a kernel compiling, is not death, but this long is); down (it did not answer)."""
+    if load is None:
+        return "down"
+    if load.loop_stalled_s > stuck_after_s:
+        return "stuck"
+    return "warming_up" if load.warming_up else "ok"
+
+
 class RankSet:
-    """The worker's ranks and what is known of their health. `restart`, when given (an expert-parallel instance),
-    replaces every rank as soon as one stops answering; the worker is unhealthy until the new ranks answer."""
+    """The worker's ranks and what is known of their health, from the load each rank answers out of its snapshot
+    (never waiting on its step thread). `restart`, when given (an expert-parallel instance), replaces every rank as
+    soon as one is down or stuck; the worker is unhealthy until the new ranks have warmed up."""
 
     def __init__(self, handles: list[RankHandle],
-                 restart: Callable[[], Awaitable[list[RankHandle]]] | None = None):
+                 restart: Callable[[], Awaitable[list[RankHandle]]] | None = None, stuck_after_s: float = 300.0):
         self.handles = handles
-        self.healthy = [True] * len(handles)
+        self.conditions = ["ok"] * len(handles)
+        self.stuck_after_s = stuck_after_s
         self._restart = restart
 
     @property
     def status(self) -> str:
-        return "ok" if all(self.healthy) else "unhealthy"
+        return "ok" if all(c == "ok" for c in self.conditions) else "unhealthy"
+
+    async def check(self) -> None:
+        loads = await asyncio.gather(*(h.load(LOAD_TIMEOUT_S) for h in self.handles), return_exceptions=True)
+        for index, (handle, load) in enumerate(zip(self.handles, loads)):
+            condition = rank_condition(None if isinstance(load, BaseException) else load, self.stuck_after_s)
+            if condition != self.conditions[index]:
+                log.warning("rank %s is %s (was %s)", handle.rank, condition, self.conditions[index])
+            self.conditions[index] = condition
 
     async def watch(self) -> None:
-        """Marks a rank unhealthy while it does not answer (dead, or restarting under Ray)."""
         while True:
-            for index, handle in enumerate(self.handles):
-                try:
-                    await handle.load(timeout_s=5.0)
-                    self.healthy[index] = True
-                except Exception:  # noqa: BLE001 - any failure to answer means unhealthy
-                    if self.healthy[index]:
-                        log.warning("rank %s is not answering", handle.rank)
-                    self.healthy[index] = False
-            if self._restart is not None and not all(self.healthy):
+            await self.check()
+            if self._restart is not None and any(c in ("down", "stuck") for c in self.conditions):
                 try:
                     self.handles = await self._restart()
+                    self.conditions = ["warming_up"] * len(self.handles)
                 except Exception:  # noqa: BLE001 - retried on the next round; the worker stays unhealthy
                     log.exception("restarting the ranks failed")
                 continue  # health is re-read from the new ranks before the worker reports ok
@@ -71,9 +89,14 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": status}}, status)
 
 
-def build_worker_app(cfg: WorkerConfig, ranks: RankSet, info: WorkerInfo, gate: DrainGate | None = None) -> FastAPI:
+def build_worker_app(cfg: WorkerConfig, ranks: RankSet, info: WorkerInfo, guard: HandoffGuard,
+                     gate: DrainGate | None = None, ready_s: list[float] | None = None) -> FastAPI:
+    """`guard`: the checks on hand-off plans (peers from discovery); `ready_s`: per rank, the seconds from the worker's
+    start until the rank was ready."""
     gate = gate or DrainGate()
     metrics = WorkerMetrics(info.model, cfg.role)
+    for rank, seconds in enumerate(ready_s or []):
+        metrics.start_seconds.labels(info.model, cfg.role, str(rank)).set(seconds)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -119,10 +142,19 @@ def build_worker_app(cfg: WorkerConfig, ranks: RankSet, info: WorkerInfo, gate: 
             return _error(503, "worker is draining")
         if cfg.role == "prefill" and body.plan.kind == "decode" or cfg.role == "decode" and body.plan.kind == "prefill":
             return _error(400, f"a {cfg.role} worker does not take {body.plan.kind} plans")
+        reservation: Reservation | None = None
+        try:
+            if body.plan.kind == "prefill":
+                reservation = await guard.confirm_prefill_plan(body)
+            elif body.plan.kind == "decode":
+                guard.check_decode_plan(body)
+        except HandoffRefused as refused:
+            log.warning("refused a %s plan for %r: %s", body.plan.kind, body.request_id, refused)
+            return _error(refused.status, str(refused))
 
         async def lines() -> AsyncIterator[bytes]:
             try:
-                async for event in handle.generate(body):
+                async for event in handle.generate(body, reservation):
                     yield msgspec.json.encode(event) + b"\n"
             except Exception as error:  # noqa: BLE001 - a dead rank ends the stream with an error event
                 event = TokenEvent(body.request_id, [], finish_reason="error", error=f"rank {body.rank} failed: {error}")
@@ -161,12 +193,20 @@ def build_worker_app(cfg: WorkerConfig, ranks: RankSet, info: WorkerInfo, gate: 
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
-    @app.get("/internal/v1/transfer/metadata")
-    async def transfer_metadata(rank: int) -> Response:
-        handle = rank_handle(rank)
+    @app.post("/internal/v1/transfer/reservation")
+    async def transfer_reservation(request: Request) -> Response:
+        """A prefill worker asks for the reservation its plan names; only the holder of the token gets it, once."""
+        try:
+            query = msgspec.json.decode(await request.body(), type=ReservationQuery)
+        except msgspec.DecodeError as error:
+            return _error(400, f"bad reservation query: {error}")
+        handle = rank_handle(query.rank)
         if handle is None:
-            return _error(400, f"rank {rank} does not exist")
-        return Response(msgspec.json.encode(await handle.transfer_metadata(CALL_TIMEOUT_S)), media_type="application/json")
+            return _error(400, f"rank {query.rank} does not exist")
+        reservation = await handle.confirm_reservation(query, CALL_TIMEOUT_S)
+        if reservation is None:
+            return _error(403, "no reservation awaits a prefill with that request id and token")
+        return Response(msgspec.json.encode(reservation), media_type="application/json")
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

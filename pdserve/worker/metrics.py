@@ -1,12 +1,12 @@
 """The worker's Prometheus metrics (names in dashboards/metrics.md), labelled by model, role and rank."""
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from pdserve.worker.rank_runtime import RankCounters
+from pdserve.disagg.counters import HandoffCounters
 
 LABELS = ["model", "role", "rank"]
-TRANSFER_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+TRANSFER_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class WorkerMetrics:
@@ -15,16 +15,19 @@ class WorkerMetrics:
     def __init__(self, model: str, role: str):
         self.model, self.role = model, role
         self.registry = CollectorRegistry()
-        self._snapshots: dict[int, tuple[dict, RankCounters]] = {}
+        self._snapshots: dict[int, tuple[dict, HandoffCounters]] = {}
         self._transfer_bytes: dict[int, int] = {}
         self._transfer_failures: dict[int, int] = {}
         self.kv_transfer_seconds = Histogram(
             "pdserve_kv_transfer_seconds", "Time to write one request's KV pages to its decode rank",
             LABELS, buckets=TRANSFER_BUCKETS_S, registry=self.registry,
         )
+        self.start_seconds = Gauge("pdserve_worker_start_seconds",
+                                   "Seconds from the worker's start until the rank was ready (model load, warm-up)",
+                                   LABELS, registry=self.registry)
         self.registry.register(self)
 
-    def update(self, rank: int, engine_stats: dict, counters: RankCounters) -> None:
+    def update(self, rank: int, engine_stats: dict, counters: HandoffCounters) -> None:
         self._snapshots[rank] = (engine_stats, counters)
         histogram = self.kv_transfer_seconds.labels(self.model, self.role, str(rank))  # exported from the start, at 0
         for seconds in counters.kv_transfer_seconds:
@@ -51,6 +54,12 @@ class WorkerMetrics:
             "pdserve_kv_transfer_bytes": ("KV bytes written to decode ranks", lambda s, c: c.kv_transfer_bytes),
             "pdserve_kv_transfer_failures": ("KV transfers that failed or timed out",
                                              lambda s, c: c.kv_transfer_failures),
+            "pdserve_kv_transfer_descriptors": ("Byte ranges the KV writes moved (one per layer and page run)",
+                                                lambda s, c: c.kv_transfer_descriptors),
+            "pdserve_kv_reservations_refused": ("Reservation queries refused (unknown request, wrong token, twice)",
+                                                lambda s, c: c.reservations_refused),
+            "pdserve_kv_notifications_rejected": ("KV notifications for no reservation awaiting one",
+                                                  lambda s, c: c.notifications_rejected),
         }
         for name, (doc, read) in gauges.items():
             family = GaugeMetricFamily(name, doc, labels=LABELS)

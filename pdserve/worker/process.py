@@ -2,14 +2,20 @@
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 
+import httpx
 import ray
 import uvicorn
 
+from pdserve.discovery.endpoints import Discovery, KubernetesDiscovery, StaticDiscovery
+from pdserve.disagg.guard import HandoffGuard
+from pdserve.http.internal_auth import bearer_headers
 from pdserve.http.slow_clients import SlowClientLimits, bounded_h11
 from pdserve.model.config import ModelConfig
-from pdserve.wire.protocol import API_VERSION, WorkerInfo
+from pdserve.wire.client import WorkerClient
+from pdserve.wire.protocol import API_VERSION, RankInfo, Reservation, ReservationQuery, WorkerInfo
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.drain import SHUTDOWN_AFTER_DRAIN_S, DrainGate, DrainingServer
 from pdserve.worker.http_app import RankSet, build_worker_app
@@ -18,9 +24,11 @@ from pdserve.worker.rank_actors import RANK_START_TIMEOUT_S, connect_ray, start_
 from pdserve.worker.rank_runtime import RankConfig
 
 log = logging.getLogger(__name__)
+CONFIRM_TIMEOUT_S = 5.0  # a prefill worker's reservation query to a decode worker
 
 
 def run_worker(cfg: WorkerConfig) -> None:
+    started = time.monotonic()
     connect_ray(cfg.ray_address)
     on_gpus = ray.cluster_resources().get("GPU", 0) >= cfg.num_ranks * cfg.gpus_per_rank and cfg.engine.device != "cpu"
     gpus_per_rank = cfg.gpus_per_rank if on_gpus else 0.0
@@ -28,7 +36,9 @@ def run_worker(cfg: WorkerConfig) -> None:
         RankConfig(rank=i, role=cfg.role, engine=cfg.engine, worker_url=cfg.url,
                    transfer_timeout_s=cfg.transfer_timeout_s,
                    prefill_timeout_s=cfg.prefill_timeout_s, world_size=cfg.num_ranks,
-                   expert_parallel=cfg.expert_parallel, internal_token=cfg.internal_token)
+                   expert_parallel=cfg.expert_parallel, internal_token=cfg.internal_token,
+                   nixl_progress_thread=cfg.nixl_progress_thread,
+                   warmup=cfg.warmup, test_step_delay_s=cfg.test_step_delay_s)
         for i in range(cfg.num_ranks)
     ]
     mode = " (one expert-parallel instance)" if cfg.expert_parallel else ""
@@ -36,11 +46,11 @@ def run_worker(cfg: WorkerConfig) -> None:
     if cfg.expert_parallel:
         instance = ExpertParallelInstance(rank_configs, gpus_per_rank)
         handles = asyncio.run(instance.start())
-        rank_set = RankSet(handles, restart=instance.restart)
+        rank_set = RankSet(handles, restart=instance.restart, stuck_after_s=cfg.stuck_step_timeout_s)
     else:
         handles = start_ranks(rank_configs, gpus_per_rank)
-        rank_set = RankSet(handles)
-    infos = asyncio.run(_gather_infos(handles))
+        rank_set = RankSet(handles, stuck_after_s=cfg.stuck_step_timeout_s)
+    infos, ready_s = asyncio.run(_gather_infos(handles, started))  # each rank answers once it has warmed up
     model_cfg = ModelConfig.from_dir(cfg.engine.model)
     info = WorkerInfo(
         api_version=API_VERSION,
@@ -50,8 +60,9 @@ def run_worker(cfg: WorkerConfig) -> None:
         ranks=infos,
     )
     gate = DrainGate()
-    app = build_worker_app(cfg, rank_set, info, gate)
-    print(f"pdserve worker: {cfg.role} serving on {cfg.url}", flush=True)
+    app = build_worker_app(cfg, rank_set, info, _handoff_guard(cfg), gate, ready_s)
+    print(f"pdserve worker: {cfg.role} serving on {cfg.url}, ready in {time.monotonic() - started:.1f} s "
+          f"(warm-up {max(r.warmup_s for r in infos):.1f} s)", flush=True)
     # No send-stall bound here: the router reads a stream only as fast as its client does, and cuts it (and so
     # this stream) when that client stalls; a bound here would take a slow client for a failed worker.
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
@@ -61,5 +72,22 @@ def run_worker(cfg: WorkerConfig) -> None:
     print("pdserve worker: drained, exiting", flush=True)
 
 
-async def _gather_infos(handles):
-    return list(await asyncio.gather(*(h.info(RANK_START_TIMEOUT_S) for h in handles)))
+def _handoff_guard(cfg: WorkerConfig) -> HandoffGuard:
+    peers: Discovery = (KubernetesDiscovery(cfg.k8s_namespace, cfg.k8s_label_selector) if cfg.discovery == "k8s"
+                        else StaticDiscovery(cfg.peers))
+    http = httpx.AsyncClient(headers=bearer_headers(cfg.internal_token))
+
+    async def confirm_at(url: str, query: ReservationQuery) -> Reservation | None:
+        return await WorkerClient(url, http, CONFIRM_TIMEOUT_S).confirm_reservation(query)
+
+    return HandoffGuard(peers, confirm_at)
+
+
+async def _gather_infos(handles, started: float) -> tuple[list[RankInfo], list[float]]:
+    """Each rank's info, once it has warmed up, and the seconds from `started` (monotonic) until then."""
+    async def ready(handle) -> tuple[RankInfo, float]:
+        info = await handle.info(RANK_START_TIMEOUT_S)
+        return info, time.monotonic() - started
+
+    answers = await asyncio.gather(*(ready(h) for h in handles))
+    return [info for info, _ in answers], [seconds for _, seconds in answers]

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import socket
+import sys
 from collections.abc import AsyncIterator
 from datetime import timedelta
 
@@ -17,14 +18,24 @@ import torch.distributed as dist
 from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from pdserve.disagg.counters import HandoffCounters
 from pdserve.engine.engine import resolve_device
-from pdserve.wire.protocol import GenerateRequest, KVEventBatch, RankInfo, RankLoad, TokenEvent, TransferMetadata
-from pdserve.worker.rank_runtime import RankConfig, RankCounters, RankRuntime
+from pdserve.wire.protocol import (
+    GenerateRequest,
+    KVEventBatch,
+    RankInfo,
+    RankLoad,
+    Reservation,
+    ReservationQuery,
+    TokenEvent,
+)
+from pdserve.worker.rank_runtime import RankConfig, RankRuntime
 
 log = logging.getLogger(__name__)
 RANK_START_TIMEOUT_S = 600.0
 MAX_RANK_RESTARTS = 3
-PROCESS_GROUP_TIMEOUT_S = 60.0  # a collective waiting longer than this on a peer fails instead of hanging
+PROCESS_GROUP_TIMEOUT_S = 60.0
+GIL_SWITCH_INTERVAL_S = 0.0005  # a collective waiting longer than this on a peer fails instead of hanging
 
 
 @ray.remote(max_restarts=MAX_RANK_RESTARTS, max_task_retries=0, max_concurrency=1000)
@@ -33,14 +44,19 @@ class RankActor:
         cfg = msgspec.json.decode(cfg_json, type=RankConfig)
         if cfg.engine.device == "cpu" or not torch.cuda.is_available():
             torch.set_num_threads(1)  # ranks share the host's cores; one thread each avoids oversubscription
+        # The transfer thread gets the GIL within this long of asking even while the step thread runs Python (the
+        # default 5 ms would add up to 5 ms to every KV write's completion and notification).
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self.cfg = cfg
         # An expert-parallel rank builds its runtime in join(), once every rank of its instance exists.
         self.runtime: RankRuntime | None = None if cfg.expert_parallel else RankRuntime(cfg)
 
     def _started(self) -> RankRuntime:
+        """The runtime, its step thread running and its warm-up under way (from the first call on)."""
         if self.runtime is None:
             raise RuntimeError(f"rank {self.cfg.rank} has not joined its expert-parallel instance")
         self.runtime.start(asyncio.get_running_loop())
+        self.runtime.start_warm_up()
         return self.runtime
 
     async def rendezvous_address(self) -> str:
@@ -63,28 +79,33 @@ class RankActor:
         return os.getpid()
 
     async def info(self) -> bytes:
-        return msgspec.json.encode(self._started().info())
+        """Answers once the rank has warmed up."""
+        runtime = self._started()
+        await runtime.ready()
+        return msgspec.json.encode(runtime.info())
 
-    async def generate(self, request_json: bytes):
+    async def generate(self, request_json: bytes, reservation_json: bytes = b"null"):
         request = msgspec.json.decode(request_json, type=GenerateRequest)
-        async for event in self._started().generate(request):
+        reservation = msgspec.json.decode(reservation_json, type=Reservation | None)
+        async for event in self._started().generate(request, reservation):
             yield msgspec.json.encode(event)
 
     async def abort(self, request_id: str) -> bool:
         return await self._started().abort(request_id)
 
     async def load(self) -> bytes:
-        return msgspec.json.encode(await self._started().load())
+        return msgspec.json.encode(self._started().load())
 
     async def stats(self) -> bytes:
-        engine_stats, counters = await self._started().stats()
+        engine_stats, counters = self._started().stats()
         return msgspec.json.encode({"engine": engine_stats, "counters": counters})
+
+    async def confirm_reservation(self, query_json: bytes) -> bytes:
+        query = msgspec.json.decode(query_json, type=ReservationQuery)
+        return msgspec.json.encode(self._started().confirm_reservation(query))
 
     async def kv_events_after(self, after: int) -> bytes:
         return msgspec.json.encode(await self._started().kv_events_after(after))
-
-    async def transfer_metadata(self) -> bytes:
-        return msgspec.json.encode(self._started().transfer_metadata())
 
 
 class RankHandle:
@@ -97,9 +118,11 @@ class RankHandle:
     async def info(self, timeout_s: float) -> RankInfo:
         return msgspec.json.decode(await asyncio.wait_for(self.actor.info.remote(), timeout_s), type=RankInfo)
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+    async def generate(self, request: GenerateRequest,
+                       reservation: Reservation | None = None) -> AsyncIterator[TokenEvent]:
         decoder = msgspec.json.Decoder(TokenEvent)
-        async for ref in self.actor.generate.options(num_returns="streaming").remote(msgspec.json.encode(request)):
+        async for ref in self.actor.generate.options(num_returns="streaming").remote(
+                msgspec.json.encode(request), msgspec.json.encode(reservation)):
             yield decoder.decode(await ref)
 
     async def abort(self, request_id: str, timeout_s: float) -> bool:
@@ -108,17 +131,17 @@ class RankHandle:
     async def load(self, timeout_s: float) -> RankLoad:
         return msgspec.json.decode(await asyncio.wait_for(self.actor.load.remote(), timeout_s), type=RankLoad)
 
-    async def stats(self, timeout_s: float) -> tuple[dict, RankCounters]:
+    async def stats(self, timeout_s: float) -> tuple[dict, HandoffCounters]:
         raw = msgspec.json.decode(await asyncio.wait_for(self.actor.stats.remote(), timeout_s))
-        return raw["engine"], msgspec.convert(raw["counters"], RankCounters)
+        return raw["engine"], msgspec.convert(raw["counters"], HandoffCounters)
+
+    async def confirm_reservation(self, query: ReservationQuery, timeout_s: float) -> Reservation | None:
+        raw = await asyncio.wait_for(self.actor.confirm_reservation.remote(msgspec.json.encode(query)), timeout_s)
+        return msgspec.json.decode(raw, type=Reservation | None)
 
     async def kv_events_after(self, after: int, timeout_s: float) -> list[KVEventBatch]:
         raw = await asyncio.wait_for(self.actor.kv_events_after.remote(after), timeout_s)
         return msgspec.json.decode(raw, type=list[KVEventBatch])
-
-    async def transfer_metadata(self, timeout_s: float) -> TransferMetadata:
-        raw = await asyncio.wait_for(self.actor.transfer_metadata.remote(), timeout_s)
-        return msgspec.json.decode(raw, type=TransferMetadata)
 
     async def rendezvous_address(self, timeout_s: float) -> str:
         return await asyncio.wait_for(self.actor.rendezvous_address.remote(), timeout_s)

@@ -1,53 +1,64 @@
-"""One DP rank: its engine, stepped by a thread of its own, its NIXL agent, and the three request plans.
+"""One DP rank: its engine, stepped by a thread of its own; the two hand-off roles (pdserve/disagg) over a transfer
+backend; and the three request plans.
 
 Queues a request passes through:
   both:    engine.waiting -> engine.running -> stream
-  prefill: engine (max_tokens=1, pages kept) -> `_transfers` (NIXL WRITE in flight) -> pages released -> stream
-  decode:  pages reserved -> prefill worker called over HTTP -> `_notified` (NIXL notification seen)
-           -> engine.running from the prefill's first token -> stream
-The engine and the agent are touched only by the step thread; async callers hand it closures (`_call`).
+  prefill: disagg Sender: COMPUTING (engine, pages kept) -> WRITING (transfer thread) -> DONE -> stream
+  decode:  disagg Receiver: RESERVED -> PREFILL_REQUESTED -> CONFIRMED -> FIRST_TOKEN -> KV_ARRIVED -> DECODING
+           (engine.running from the prefill's first token) -> stream
+The engine is touched only by its step thread (`step_loop.py`); async callers hand it closures. Load, stats and
+health come from the snapshot that thread publishes, never waiting on it.
 """
 
 import asyncio
-import base64
-import concurrent.futures
 import logging
-import math
-import queue
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from dataclasses import asdict, dataclass
 
 import httpx
+import torch
 import torch.distributed as dist
 
+from pdserve.disagg.counters import HandoffCounters
+from pdserve.disagg.receiver import (
+    CLOCK_MARGIN_S,
+    HandoffAborted,
+    HandoffFailed,
+    PrefillLink,
+    Receiver,
+    ReceiverConfig,
+)
+from pdserve.disagg.sender import Sender
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.engine import Engine, InvalidRequestError, NoCapacityError, RequestOutput
+from pdserve.engine.engine import Engine, NoCapacityError, RequestOutput
 from pdserve.engine.lockstep import Lockstep
 from pdserve.http.internal_auth import bearer_headers
 from pdserve.model.config import ModelConfig
 from pdserve.ops.moe import ExpertRange
 from pdserve.ops.moe_ep import ExpertParallelMoE, expert_owner_range
-from pdserve.transfer.agent import KVTransferAgent, TransferError, TransferHandle
-from pdserve.wire.client import WorkerClient, WorkerUnavailable
+from pdserve.transfer.backend import OnNotification, TransferBackend, open_nixl_backend
+from pdserve.transfer.errors import TransferError
+from pdserve.wire.client import WorkerClient
 from pdserve.wire.protocol import (
     GenerateRequest,
-    KVDestination,
     KVEventBatch,
+    PrefillSource,
     RankInfo,
     RankLoad,
+    Reservation,
+    ReservationQuery,
     Role,
     TokenEvent,
-    TransferMetadata,
 )
 from pdserve.worker.kv_event_log import KVEventLog
+from pdserve.worker.step_loop import StepLoop
+from pdserve.worker.warm_up import warm_up
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-CLOCK_MARGIN_S = 1.0  # allowed disagreement between host clocks for KV write deadlines
+
+OpenBackend = Callable[[str, torch.Tensor, OnNotification], TransferBackend]
 
 
 @dataclass(frozen=True)
@@ -55,36 +66,55 @@ class RankConfig:
     rank: int
     role: Role
     engine: EngineConfig
-    worker_url: str  # where peers reach this rank's worker (metadata, generate)
+    worker_url: str  # how peers' discovery names this rank's worker
     transfer_timeout_s: float = 30.0
     prefill_timeout_s: float = 120.0
     world_size: int = 1  # ranks of this worker
     expert_parallel: bool = False  # the ranks share the routed experts over the default process group
     internal_token: str = field(default="", repr=False)  # sent on this rank's calls to prefill workers
+    nixl_progress_thread: bool | None = None  # None: on for a GPU pool, off on the CPU (docs/transfer.md)
+    warmup: bool = True  # run every kernel variant once before the rank reports ready
+    test_step_delay_s: float = 0.0  # test hook: after warm-up each step first sleeps this long (a slow kernel)
+    clock_margin_s: float = CLOCK_MARGIN_S  # how far host clocks may disagree, for write deadlines
 
 
-class InstanceBroken(RuntimeError):
-    """An expert-parallel rank lost its peers (a collective failed); the instance must be re-formed."""
+class _EnginePort:
+    """The engine as the hand-off roles reach it: each call runs on the step thread."""
 
+    def __init__(self, runtime: "RankRuntime"):
+        self._runtime = runtime
+        self._engine = runtime.engine
 
-@dataclass
-class RankCounters:
-    """Cumulative figures the worker turns into Prometheus metrics."""
+    async def reserve(self, request: GenerateRequest) -> list[int]:
+        reserved = await self._runtime.steps.call(
+            lambda: self._engine.reserve(request.request_id, request.prompt_token_ids, request.sampling))
+        return list(reserved.page_ids)
 
-    kv_transfer_bytes: int = 0
-    kv_transfer_failures: int = 0
-    kv_transfer_seconds: list[float] = field(default_factory=list)  # drained by each metrics read
+    async def free(self, request_id: str) -> None:
+        await self._runtime.steps.call(lambda: self._engine.abort(request_id))
 
+    abort = free
 
-@dataclass
-class _Transfer:
-    handle: TransferHandle
-    output: RequestOutput
-    deadline_s: float
+    async def start_decoding(self, request_id: str, first: TokenEvent) -> TokenEvent:
+        sampled = RequestOutput(request_id, first.token_ids[:1], first.logprobs[:1] if first.logprobs else None,
+                                first.top_token_ids, first.top_logprobs)
+        output = await self._runtime.steps.call(lambda: self._engine.start_decoding(request_id, sampled))
+        event = self._runtime._event(output)
+        event.cached_tokens = first.cached_tokens
+        return event
+
+    async def add_prefill_only(self, request: GenerateRequest) -> None:
+        await self._runtime.steps.call(
+            lambda: self._engine.add_prefill_only(request.request_id, request.prompt_token_ids, request.sampling))
+
+    async def release(self, request_id: str) -> None:
+        await self._runtime.steps.call(lambda: self._engine.release(request_id))
 
 
 class RankRuntime:
-    def __init__(self, cfg: RankConfig):
+    def __init__(self, cfg: RankConfig, open_backend: OpenBackend | None = None,
+                 prefill_link: Callable[[PrefillSource], PrefillLink] | None = None):
+        """`open_backend`, `prefill_link`: the transport and the way to prefill workers (default NIXL and HTTP)."""
         self.cfg = cfg
         self.kv_events = KVEventLog(cfg.rank)
         self.lockstep: Lockstep | None = None
@@ -93,22 +123,27 @@ class RankRuntime:
         else:
             self.engine = Engine(cfg.engine, on_kv_events=self.kv_events.record)
         name = f"{cfg.role}-r{cfg.rank}-{uuid.uuid4().hex[:12]}"  # new per start: peers re-learn a restarted rank
-        self.agent = KVTransferAgent(name, self.engine.runner.kv_cache, progress_thread=False)
-        self.counters = RankCounters()
-        self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.Queue()
-        self._streams: dict[str, asyncio.Queue[TokenEvent]] = {}
-        # prefill request -> (peer, where to write, Unix time after which it must not write)
-        self._destinations: dict[str, tuple[str, KVDestination, float]] = {}
-        self._quarantined: set[str] = set()  # failed decode reservations held until a late WRITE cannot land
-        self._quarantine_tasks: set[asyncio.Task] = set()
-        self._transfers: dict[str, _Transfer] = {}
-        self._notified: set[str] = set()
-        self._known_peers: set[str] = set()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        kv = self.engine.runner.kv_cache
+        if open_backend is None:
+            progress_thread = cfg.nixl_progress_thread
+            if progress_thread is None:
+                progress_thread = kv.device.type == "cuda"
+            self.backend = open_nixl_backend(name, kv, self._on_notification, progress_thread)
+        else:
+            self.backend = open_backend(name, kv, self._on_notification)
+        self.counters = HandoffCounters()
         self._http = httpx.AsyncClient(headers=bearer_headers(cfg.internal_token))
-        self._broken: str | None = None
+        port = _EnginePort(self)
+        self.sender = Sender(cfg.engine.page_size, cfg.transfer_timeout_s, self.backend, port, self._emit, self.counters)
+        self.receiver = Receiver(
+            ReceiverConfig(cfg.rank, cfg.worker_url, cfg.prefill_timeout_s, cfg.transfer_timeout_s, cfg.clock_margin_s),
+            self.backend, port,
+            prefill_link or (lambda source: WorkerClient(source.url, self._http)), self.counters)
+        self._streams: dict[str, asyncio.Queue[TokenEvent]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.steps = StepLoop(self.engine, cfg.rank, self.lockstep, self._route_output, self._fail_everything)
+        self._warm_up_task: asyncio.Future | None = None
+        self.warmup_s = 0.0
 
     def _expert_parallel_engine(self, cfg: RankConfig) -> tuple[Engine, Lockstep]:
         """This rank's experts and the exchange over the default process group (the actor has joined it)."""
@@ -122,40 +157,45 @@ class RankRuntime:
 
     # --- lifecycle --------------------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self._thread is None:
-            self._loop = loop
-            self._thread = threading.Thread(target=self._run, name=f"rank-{self.cfg.rank}-step", daemon=True)
-            self._thread.start()
+        self._loop = loop
+        self.steps.start()
+
+    def start_warm_up(self) -> None:
+        if self._warm_up_task is None:
+            self._warm_up_task = asyncio.ensure_future(self._warm_up())
+
+    async def ready(self) -> None:
+        """Returns once the rank has warmed up; raises what the warm-up raised."""
+        self.start_warm_up()
+        assert self._warm_up_task is not None
+        await asyncio.shield(self._warm_up_task)
+
+    @property
+    def warmed_up(self) -> bool:
+        task = self._warm_up_task
+        return task is not None and task.done() and not task.cancelled() and task.exception() is None
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        self.agent.close()
+        self.steps.stop()
+        self.backend.close()
 
     def info(self) -> RankInfo:
-        return RankInfo(self.cfg.rank, self.cfg.engine.page_size, self.engine.allocator.num_pages, self.agent.name)
+        return RankInfo(self.cfg.rank, self.cfg.engine.page_size, self.engine.allocator.num_pages, self.backend.name,
+                        self.warmup_s)
 
-    def transfer_metadata(self) -> TransferMetadata:
-        blob = base64.b64encode(self.agent.metadata()).decode()
-        return TransferMetadata(self.cfg.rank, self.agent.name, blob)
-
-    async def load(self) -> RankLoad:
-        stats = await self._call(self.engine.stats)
+    def load(self) -> RankLoad:
+        snapshot = self.steps.snapshot
+        stats = snapshot.engine
         return RankLoad(self.cfg.rank, stats.running, stats.waiting, stats.free_pages, stats.total_pages,
-                        stats.prefix_cache_pages)
+                        stats.prefix_cache_pages, snapshot.steps_completed, time.monotonic() - snapshot.turned_s,
+                        not self.warmed_up)
 
-    async def stats(self) -> tuple[Any, RankCounters]:
-        def snapshot():
-            counters = RankCounters(self.counters.kv_transfer_bytes, self.counters.kv_transfer_failures,
-                                    self.counters.kv_transfer_seconds)
-            self.counters.kv_transfer_seconds = []
-            return self.engine.stats(), counters
-
-        return await self._call(snapshot)
+    def stats(self) -> tuple[dict, HandoffCounters]:
+        return asdict(self.steps.snapshot.engine), self.counters.drain()
 
     # --- requests ---------------------------------------------------------------------------------------------
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+    async def generate(self, request: GenerateRequest, reservation: Reservation | None = None) -> AsyncIterator[TokenEvent]:
+        """`reservation`: for a prefill plan, what the worker edge confirmed with the decode worker."""
         stream: asyncio.Queue[TokenEvent] = asyncio.Queue()
         request_id = request.request_id
         if request_id in self._streams:
@@ -163,7 +203,7 @@ class RankRuntime:
             return
         self._streams[request_id] = stream
         try:
-            first = await self._admit(request)
+            first = await self._admit(request, reservation)
             if first is not None:
                 yield first
                 if first.finish_reason is not None:
@@ -175,221 +215,86 @@ class RankRuntime:
                     return
         finally:
             self._streams.pop(request_id, None)
-            if request_id in self.engine.requests and request_id not in self._quarantined:  # caller went away
-                await self._call(lambda: self.engine.abort(request_id))
+            await self._end(request_id)
+
+    async def _end(self, request_id: str) -> None:
+        """The caller went away (or the request finished): free what a hand-off does not own."""
+        if self.sender.holds(request_id):
+            await self.sender.abort(request_id)
+        elif request_id in self.engine.requests and not self.receiver.holds(request_id):
+            await self.steps.call(lambda: self.engine.abort(request_id))
 
     async def abort(self, request_id: str) -> bool:
-        found = await self._call(lambda: self.engine.abort(request_id))
+        if self.receiver.abort(request_id) or await self.sender.abort(request_id):
+            return True  # the hand-off ends the stream
+        found = await self.steps.call(lambda: self.engine.abort(request_id))
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.put_nowait(TokenEvent(request_id, [], finish_reason="abort"))
         return found
 
-    async def _admit(self, request: GenerateRequest) -> TokenEvent | None:
+    def confirm_reservation(self, query: ReservationQuery) -> Reservation | None:
+        return self.receiver.confirm(query)
+
+    async def _admit(self, request: GenerateRequest, reservation: Reservation | None) -> TokenEvent | None:
         """Start the request per its plan; returns a first event to emit at once (errors, the decode's first token)."""
         plan, request_id = request.plan, request.request_id
         try:
             if plan.kind == "both":
-                await self._call(lambda: self.engine.add_request(request_id, request.prompt_token_ids, request.sampling))
+                await self.steps.call(lambda: self.engine.add_request(request_id, request.prompt_token_ids, request.sampling))
                 return None
             if plan.kind == "prefill":
-                if plan.destination is None:
-                    return self._error(request_id, "a prefill plan needs a destination")
-                peer = await self._learn_peer(plan.destination)
-                self._destinations[request_id] = (peer, plan.destination, plan.destination.write_deadline_unix_s or math.inf)
-                await self._call(
-                    lambda: self.engine.add_prefill_only(request_id, request.prompt_token_ids, request.sampling)
-                )
+                if reservation is None:
+                    return self._error(request_id, "a prefill plan needs a reservation the worker edge confirmed")
+                await self.sender.admit(request, reservation)
                 return None
             if plan.prefill is None:
                 return self._error(request_id, "a decode plan needs a prefill source")
-            return await self._decode_after_transfer(request)
-        except (InvalidRequestError, NoCapacityError, TransferError, WorkerUnavailable, httpx.HTTPError) as error:
-            self._destinations.pop(request_id, None)
+            return await self.receiver.receive(request)
+        except HandoffAborted:
+            return TokenEvent(request_id, [], finish_reason="abort")
+        except (ValueError, NoCapacityError, TransferError, HandoffFailed) as error:  # ValueError: InvalidRequestError
             return self._error(request_id, str(error))
 
-    async def _decode_after_transfer(self, request: GenerateRequest) -> TokenEvent:
-        request_id, source = request.request_id, request.plan.prefill
-        assert source is not None
-        reserved = await self._call(
-            lambda: self.engine.reserve(request_id, request.prompt_token_ids, request.sampling)
-        )
-        write_deadline_unix_s = time.time() + self.cfg.prefill_timeout_s
-        destination = KVDestination(self.cfg.worker_url, self.cfg.rank, self.agent.name, list(reserved.page_ids),
-                                    write_deadline_unix_s=write_deadline_unix_s)
-        prefill_request = GenerateRequest(
-            request_id=request_id, rank=source.rank, prompt_token_ids=request.prompt_token_ids,
-            sampling=request.sampling, plan=type(request.plan)(kind="prefill", destination=destination),
-        )
-        first: TokenEvent | None = None
-        prefill_client = WorkerClient(source.url, self._http)
-        try:
-            async for event in prefill_client.generate(prefill_request, self.cfg.prefill_timeout_s):
-                first = event
-                if event.finish_reason is not None:
-                    break
-            if first is None or first.finish_reason == "error" or not first.token_ids:
-                raise WorkerUnavailable(f"prefill failed: {first.error if first else 'no answer'}", refused=first is not None)
-            await self._wait_notified(request_id)
-        except BaseException as error:
-            if isinstance(error, WorkerUnavailable) and error.refused:
-                await self._call(lambda: self.engine.abort(request_id))
-            else:
-                await prefill_client.abort(request_id)
-                # the prefill may still post a WRITE until the deadline: keep the pages out of use until it can't land
-                quarantine_s = write_deadline_unix_s + self.cfg.transfer_timeout_s + CLOCK_MARGIN_S - time.time()
-                self._quarantined.add(request_id)
-                task = asyncio.create_task(self._abort_after(request_id, quarantine_s))
-                self._quarantine_tasks.add(task)
-                task.add_done_callback(self._quarantine_tasks.discard)
-            raise
-        sampled = RequestOutput(request_id, first.token_ids[:1], first.logprobs[:1] if first.logprobs else None,
-                                first.top_token_ids, first.top_logprobs)
-        output = await self._call(lambda: self.engine.start_decoding(request_id, sampled))
-        event = self._event(output)
-        event.cached_tokens = first.cached_tokens
-        return event
+    async def kv_events_after(self, after: int) -> list[KVEventBatch]:
+        return await self.steps.call(lambda: self.kv_events.after(after, self.engine.prefix_cache.stored_blocks))
 
-    async def _abort_after(self, request_id: str, delay_s: float) -> None:
-        await asyncio.sleep(max(0.0, delay_s))
-        await self._call(lambda: self.engine.abort(request_id))
-        self._quarantined.discard(request_id)
+    async def _warm_up(self) -> None:
+        started = time.monotonic()
+        if self.cfg.warmup:
+            await warm_up(self.engine, self.cfg.rank, self.generate)
+            self.warmup_s = time.monotonic() - started
+            log.info("rank %s warmed up in %.1f s", self.cfg.rank, self.warmup_s)
+        self.steps.test_step_delay_s = self.cfg.test_step_delay_s
 
-    async def _wait_notified(self, request_id: str) -> None:
-        deadline = time.monotonic() + self.cfg.transfer_timeout_s
-        while request_id not in self._notified:
-            if time.monotonic() > deadline:
-                raise TransferError(f"KV of {request_id} did not arrive within {self.cfg.transfer_timeout_s} s")
-            await asyncio.sleep(0.002)
-        self._notified.discard(request_id)
-
-    async def _learn_peer(self, destination: KVDestination) -> str:
-        if destination.agent_name in self._known_peers:
-            return destination.agent_name
-        response = await self._http.get(
-            f"{destination.url.rstrip('/')}/internal/v1/transfer/metadata", params={"rank": destination.rank},
-            timeout=10.0,
-        )
-        response.raise_for_status()
-        blob = base64.b64decode(response.json()["agent_metadata_b64"])
-        name = await self._call(lambda: self.agent.add_peer(blob))
-        if name != destination.agent_name:
-            raise TransferError(f"decode rank at {destination.url} is now {name}, not {destination.agent_name}")
-        self._known_peers.add(name)
-        return name
-
-    # --- the step thread --------------------------------------------------------------------------------------
-    async def _call(self, fn: Callable[[], T]) -> T:
-        if self._broken is not None:
-            raise InstanceBroken(self._broken)
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put((fn, future))
-        if self._broken is not None:  # broke while we queued: fail what the step thread will never run
-            self._break(self._broken)
-        return await asyncio.wrap_future(future)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            idle = not (self.engine.has_work() or self._transfers)
-            self._run_commands(block=idle)
-            try:
-                for output in self._step():
-                    self._route_output(output)
-                self._progress_transfers()
-            except Exception:  # noqa: BLE001 - a step failure must reach every caller, not kill the thread silently
-                log.exception("rank %s step failed", self.cfg.rank)
-                self._fail_everything("engine step failed")
-                if self.lockstep is not None:  # a peer is gone: no later collective can succeed
-                    self._break(f"rank {self.cfg.rank} lost its expert-parallel peers")
-                    return
-
-    def _step(self) -> list[RequestOutput]:
-        if self.lockstep is None:
-            return self.engine.step()
-        busy = self.lockstep.any_rank_busy(self.engine.has_work() or bool(self._transfers))
-        return self.engine.step(force_forward=True) if busy else []
-
-    def _break(self, message: str) -> None:
-        """Stop taking work and fail whatever is queued, so no caller waits on a step thread that has ended."""
-        self._broken = message
-        while True:
-            try:
-                _, future = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if future.set_running_or_notify_cancel():
-                future.set_exception(InstanceBroken(message))
-
-    def _run_commands(self, block: bool) -> None:
-        try:
-            fn, future = self._commands.get(timeout=0.005 if block else 0)
-        except queue.Empty:
-            return
-        while True:
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as error:  # noqa: BLE001 - handed to the awaiting caller
-                    future.set_exception(error)
-            try:
-                fn, future = self._commands.get_nowait()
-            except queue.Empty:
-                return
-
+    # --- on the step thread -----------------------------------------------------------------------------------
     def _route_output(self, output: RequestOutput) -> None:
-        target = self._destinations.pop(output.request_id, None)
-        if target is None:
-            self._emit(self._event(output))
-            return
-        peer, destination, write_deadline_s = target
-        request = self.engine.requests[output.request_id]
-        if time.time() > write_deadline_s:  # the decode rank has given up: its pages may be someone else's now
-            self.engine.release(output.request_id)
-            self.counters.kv_transfer_failures += 1
-            self._emit(self._error(output.request_id, "KV write deadline passed before the prefill finished"))
-            return
-        pages = slice(destination.skip_pages, len(destination.page_ids))
-        try:
-            handle = self.agent.write_pages(peer, request.page_ids[pages], destination.page_ids[pages],
-                                            output.request_id.encode())
-        except TransferError as error:
-            self.engine.release(output.request_id)
-            self.counters.kv_transfer_failures += 1
-            self._emit(self._error(output.request_id, f"KV transfer failed: {error}"))
-            return
-        self._transfers[output.request_id] = _Transfer(handle, output, time.monotonic() + self.cfg.transfer_timeout_s)
-
-    def _progress_transfers(self) -> None:
-        for peer, notif in self.agent.take_notifications():
-            self._notified.add(notif.decode())
-        for request_id, transfer in list(self._transfers.items()):
-            state = self.agent.poll(transfer.handle)
-            if state == "pending" and time.monotonic() < transfer.deadline_s:
-                continue
-            del self._transfers[request_id]
-            self.agent.release(transfer.handle)
-            self.engine.release(request_id)
-            if state == "done":
-                self.counters.kv_transfer_bytes += transfer.handle.num_bytes
-                self.counters.kv_transfer_seconds.append(time.monotonic() - transfer.handle.started_s)
-                self._emit(self._event(transfer.output))
-            else:
-                self.counters.kv_transfer_failures += 1
-                reason = "timed out" if state == "pending" else transfer.handle.error
-                self._emit(self._error(request_id, f"KV transfer {reason}"))
+        event = self._event(output)
+        request = self.engine.requests.get(output.request_id)
+        if output.finish_reason is not None and request is not None and request.keep_pages_on_finish:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self.sender.prefill_done, event, list(request.page_ids))
+        else:
+            self._emit(event)
 
     def _fail_everything(self, message: str) -> None:
+        # Pages a hand-off owns are left to it: a reservation may still be written, a kept prompt still read.
+        # (Membership reads of the loop's dicts are safe under the GIL.)
         for request_id in list(self.engine.requests):
-            self.engine.abort(request_id)
-            self._emit(self._error(request_id, message))
+            if not (self.receiver.holds(request_id) or self.sender.holds(request_id)):
+                self.engine.abort(request_id)
+                self._emit(self._error(request_id, message))
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.sender.fail_computing, message)
 
     def _emit(self, event: TokenEvent) -> None:
         stream = self._streams.get(event.request_id)
         if stream is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(stream.put_nowait, event)
 
-    async def kv_events_after(self, after: int) -> list[KVEventBatch]:
-        return await self._call(lambda: self.kv_events.after(after, self.engine.prefix_cache.stored_blocks))
+    def _on_notification(self, writer: str, payload: bytes) -> None:
+        if self._loop is not None:  # on the transfer thread
+            self._loop.call_soon_threadsafe(self.receiver.on_notification, writer, payload)
 
     # --- events ---------------------------------------------------------------------------------------------
     def _event(self, output: RequestOutput) -> TokenEvent:

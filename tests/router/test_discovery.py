@@ -5,7 +5,7 @@ fixtures/k8s_watch_events.json (watch events), written by hand in the API's JSON
 import json
 from pathlib import Path
 
-from pdserve_router.discovery import Endpoint, StaticDiscovery, apply_pod_event, pod_endpoint
+from pdserve.discovery.endpoints import Endpoint, StaticDiscovery, apply_pod_event, pod_endpoint
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -8,7 +8,8 @@ from multiprocessing.connection import Connection
 import pytest
 import torch
 
-from pdserve.transfer.agent import KVTransferAgent, TransferError
+from pdserve.transfer.agent import KVTransferAgent
+from pdserve.transfer.errors import TransferError
 
 NUM_LAYERS, PAGE_SIZE, KV_DIM = 3, 4, 16
 WRITER_PAGES, READER_PAGES = 12, 20

@@ -1,0 +1,164 @@
+"""A NIXL agent driven by a transfer thread of its own, off the rank's step loop: it posts the writes it is handed,
+watches them complete and collects the notifications of writes into this pool, and reports both as events.
+
+The agent is not thread-safe, so only this thread touches it. While writes are in flight or notifications are
+awaited the thread checks NIXL every 10 to 50 us while writes are in flight (they take about a millisecond) and up to
+every 500 us while it only awaits notifications (for as long as a prefill computes); otherwise it sleeps on its
+command queue. Without NIXL's own progress thread these checks are also what advances UCX (docs/transfer.md).
+"""
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.transfer.agent import KVTransferAgent, TransferHandle
+from pdserve.transfer.backend import OnNotification, WriteResult
+from pdserve.transfer.errors import TransferError, TransferTimeout
+
+log = logging.getLogger(__name__)
+MIN_PAUSE_S = 10e-6
+MAX_PAUSE_WRITING_S = 50e-6  # its completion time is the transfer time the service measures
+MAX_PAUSE_LISTENING_S = 500e-6
+IDLE_WAIT_S = 0.05  # nothing in flight or awaited: notifications nobody waits for are drained this often
+JOIN_TIMEOUT_S = 5.0
+
+
+@dataclass(eq=False)
+class _Write:
+    handle: TransferHandle
+    future: Future
+    requested_s: float  # monotonic, when write() was called: the time a write takes includes its wait to be posted
+    deadline_s: float
+
+
+class NixlBackend:
+    def __init__(self, name: str, kv: torch.Tensor, on_notification: OnNotification, progress_thread: bool):
+        self.name = name
+        self._agent = KVTransferAgent(name, kv, progress_thread)
+        self._metadata = self._agent.metadata()
+        self._on_notification = on_notification
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._writes: list[_Write] = []  # posted, not complete; the thread's own
+        self._expected = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kv-transfer-{name}", daemon=True)
+        self._thread.start()
+
+    def metadata(self) -> bytes:
+        return self._metadata
+
+    def add_peer(self, blob: bytes) -> Future[str]:
+        future: Future[str] = Future()
+
+        def learn() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(self._agent.add_peer(blob))
+                except Exception as error:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(error)
+
+        self._commands.put(learn)
+        return future
+
+    def write(self, peer: str, src_page_ids: Sequence[int], dst_page_ids: Sequence[int], notif: bytes,
+              timeout_s: float, layers: range | None = None) -> Future[WriteResult]:
+        future: Future[WriteResult] = Future()
+        src, dst = list(src_page_ids), list(dst_page_ids)
+        requested_s = time.monotonic()
+
+        def post() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                handle = self._agent.write_pages(peer, src, dst, notif, layers)
+            except Exception as error:  # noqa: BLE001 - handed to the caller
+                future.set_exception(error)
+                return
+            self._writes.append(_Write(handle, future, requested_s, handle.started_s + timeout_s))
+
+        self._commands.put(post)
+        return future
+
+    def expect_notifications(self, count: int) -> None:
+        self._expected = count
+        self._commands.put(lambda: None)  # wake the thread if it sleeps on the queue
+
+    def close(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._commands.put(lambda: None)
+        self._thread.join(JOIN_TIMEOUT_S)
+        if self._thread.is_alive():  # stuck in NIXL: closing the agent under it would be worse than leaking it
+            log.error("transfer thread of %s did not stop within %s s; agent left open", self.name, JOIN_TIMEOUT_S)
+            return
+        self._agent.close()
+
+    # --- the transfer thread ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        pause_s = MIN_PAUSE_S
+        while not self._stop.is_set():
+            listening = bool(self._writes) or self._expected > 0
+            progressed = self._run_commands(wait_s=0.0 if listening else IDLE_WAIT_S)
+            progressed |= self._deliver_notifications()
+            progressed |= self._complete_writes()
+            if progressed or not listening:
+                pause_s = MIN_PAUSE_S
+            else:
+                time.sleep(pause_s)
+                pause_s = min(2 * pause_s, MAX_PAUSE_WRITING_S if self._writes else MAX_PAUSE_LISTENING_S)
+        for write in self._writes:
+            self._agent.release(write.handle)
+            write.future.set_exception(TransferError(f"transfer backend {self.name} closed"))
+        self._writes.clear()
+
+    def _run_commands(self, wait_s: float) -> bool:
+        try:
+            command = self._commands.get(timeout=wait_s) if wait_s else self._commands.get_nowait()
+        except queue.Empty:
+            return False
+        while True:
+            try:
+                command()
+            except Exception:  # noqa: BLE001 - the thread must outlive a bad command
+                log.exception("transfer command failed on %s", self.name)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _deliver_notifications(self) -> bool:
+        notifications = self._agent.take_notifications()
+        for writer, payload in notifications:
+            try:
+                self._on_notification(writer, payload)
+            except Exception:  # noqa: BLE001 - one bad consumer call must not stop the others
+                log.exception("notification handler failed on %s", self.name)
+        return bool(notifications)
+
+    def _complete_writes(self) -> bool:
+        finished = []
+        for write in self._writes:
+            state = self._agent.poll(write.handle)
+            if state == "pending" and time.monotonic() < write.deadline_s:
+                continue
+            finished.append(write)
+            self._agent.release(write.handle)  # cancels one still pending
+            handle = write.handle
+            if state == "done":
+                seconds = time.monotonic() - write.requested_s
+                write.future.set_result(WriteResult(handle.num_bytes, handle.num_descriptors, seconds))
+            elif state == "error":
+                write.future.set_exception(TransferError(f"write to {handle.peer!r} failed: {handle.error}"))
+            else:
+                write.future.set_exception(TransferTimeout(
+                    f"write of {handle.num_bytes} bytes to {handle.peer!r} not done within its deadline"))
+        if finished:
+            self._writes = [w for w in self._writes if w not in finished]
+        return bool(finished)

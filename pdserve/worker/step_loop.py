@@ -1,0 +1,135 @@
+"""Steps one rank's engine on a thread of its own. Everything else reaches the engine by handing this thread a
+closure (`call`), so the engine stays single-threaded; after each turn the thread publishes a `RankSnapshot`, from
+which load, metrics and health are answered without waiting on it (a long step, a kernel compiling, is not death)."""
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pdserve.engine.engine import Engine, EngineStats, RequestOutput
+from pdserve.engine.lockstep import Lockstep
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+SNAPSHOT_INTERVAL_S = 0.01  # engine figures are refreshed at most this often (reading them costs ~0.1 ms)
+IDLE_WAIT_S = 0.005  # an idle loop waits this long for a closure before it turns again
+JOIN_TIMEOUT_S = 5.0
+
+
+class InstanceBroken(RuntimeError):
+    """An expert-parallel rank lost its peers (a collective failed); the instance must be re-formed."""
+
+
+@dataclass(frozen=True)
+class RankSnapshot:
+    """What the step thread published after its last turn; any thread reads it without waiting on the step thread."""
+
+    engine: EngineStats  # refreshed at most every SNAPSHOT_INTERVAL_S
+    steps_completed: int
+    turned_s: float  # monotonic time the loop last came around
+
+
+class StepLoop:
+    def __init__(self, engine: Engine, rank: int, lockstep: Lockstep | None,
+                 route: Callable[[RequestOutput], None], fail_all: Callable[[str], None]):
+        """`route` gets each step's outputs, `fail_all` a message when a step raised; both on the step thread."""
+        self.engine = engine
+        self.test_step_delay_s = 0.0  # test hook: each step first sleeps this long (a slow kernel)
+        self._rank = rank
+        self._lockstep = lockstep
+        self._route = route
+        self._fail_all = fail_all
+        self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.Queue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._broken: str | None = None
+        self._steps_completed = 0
+        self._stats_published_s = time.monotonic()
+        self.snapshot = RankSnapshot(engine.stats(), 0, self._stats_published_s)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"rank-{self._rank}-step", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=JOIN_TIMEOUT_S)
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the step thread, between steps."""
+        if self._broken is not None:
+            raise InstanceBroken(self._broken)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, future))
+        if self._broken is not None:  # broke while we queued: fail what the step thread will never run
+            self._break(self._broken)
+        return await asyncio.wrap_future(future)
+
+    # --- the step thread --------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._run_commands(block=not self.engine.has_work())
+            try:
+                for output in self._step():
+                    self._route(output)
+            except Exception:  # noqa: BLE001 - a step failure must reach every caller, not kill the thread silently
+                log.exception("rank %s step failed", self._rank)
+                self._fail_all("engine step failed")
+                if self._lockstep is not None:  # a peer is gone: no later collective can succeed
+                    self._break(f"rank {self._rank} lost its expert-parallel peers")
+                    return
+            self._turned()
+
+    def _step(self) -> list[RequestOutput]:
+        busy = self.engine.has_work()
+        if self._lockstep is not None:
+            busy = self._lockstep.any_rank_busy(busy)
+        if not busy:
+            return []
+        if self.test_step_delay_s:
+            time.sleep(self.test_step_delay_s)
+        outputs = self.engine.step(force_forward=self._lockstep is not None)
+        self._steps_completed += 1
+        return outputs
+
+    def _turned(self) -> None:
+        now = time.monotonic()
+        stats = self.snapshot.engine
+        if now - self._stats_published_s >= SNAPSHOT_INTERVAL_S:
+            stats, self._stats_published_s = self.engine.stats(), now
+        self.snapshot = RankSnapshot(stats, self._steps_completed, now)
+
+    def _break(self, message: str) -> None:
+        """Stop taking work and fail whatever is queued, so no caller waits on a step thread that has ended."""
+        self._broken = message
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                future.set_exception(InstanceBroken(message))
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            fn, future = self._commands.get(timeout=IDLE_WAIT_S if block else 0)
+        except queue.Empty:
+            return
+        while True:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as error:  # noqa: BLE001 - handed to the awaiting caller
+                    future.set_exception(error)
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return

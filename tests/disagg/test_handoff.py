@@ -1,0 +1,258 @@
+"""Every path of the prefill -> decode hand-off, between a prefill and a decode rank of this process (real engines,
+the in-process transfer backend, the worker edge's guard): tokens equal colocated ones, each failure ends with a clear
+error and frees every page (at once, or after the quarantine when a write could still land), and nothing is written,
+nor any decode started, for a reservation a caller forged."""
+
+import asyncio
+import itertools
+import time
+
+import pytest
+import torch
+from inprocess_pair import DECODE_URL, Pair, at_rest, collect, decode_plan
+from probes import eventually
+
+from pdserve.disagg.guard import HandoffRefused
+from pdserve.disagg.receiver import ReceiverState
+from pdserve.disagg.sender import SenderState
+from pdserve.wire.protocol import GenerateRequest, KVDestination, Plan, ReservationQuery
+from pdserve.wire.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+PROMPT = list(range(2, 42))  # 40 tokens: 3 pages
+HANDOFF_BOUND_S = 1.5 + 0.5  # the pair's prefill timeout + transfer timeout
+QUARANTINE_S = HANDOFF_BOUND_S + 0.05 + 3.0  # + clock margin + slack for a loaded machine
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_v2):
+    made = Pair(tiny_v2)
+    yield made
+    made.close()
+
+
+@pytest.fixture
+def fresh(pair):
+    """The pair with no faults; every page back at rest on both sides afterwards."""
+    pair.reset()
+    yield pair
+    pair.reset()
+    assert eventually(lambda: at_rest(pair.prefill) and at_rest(pair.decode), timeout_s=QUARANTINE_S), \
+        (pair.prefill.load(), pair.decode.load(), list(pair.decode.engine.requests))
+
+
+def new_id(name: str) -> str:
+    return f"{name}-{next(_ids)}"
+
+
+def tokens(events) -> list[int]:
+    return [t for e in events for t in e.token_ids]
+
+
+def wait_for_state(role, request_id: str, state, timeout_s: float = 10.0) -> None:
+    assert eventually(lambda: role.state_of(request_id) is state, timeout_s=timeout_s, interval_s=0.002), \
+        f"{request_id} never reached {state} (now {role.state_of(request_id)})"
+
+
+def reception(pair, request_id: str):
+    return pair.decode.receiver._receptions[request_id]
+
+
+async def deliver(runtime, payload: bytes) -> None:
+    runtime.receiver.on_notification("someone", payload)
+
+
+def test_handed_off_tokens_equal_colocated_ones_and_every_page_comes_back(fresh):
+    colocated = fresh.generate(fresh.decode, GenerateRequest(new_id("both"), 0, PROMPT, GREEDY, Plan("both")))
+    events = fresh.disaggregated(new_id("pd"), PROMPT, GREEDY)
+    assert events[-1].finish_reason == "length", events[-1].error
+    assert tokens(events) == tokens(colocated) and len(tokens(events)) == GREEDY.max_tokens
+
+
+def test_concurrent_hand_offs_each_get_their_own_kv(fresh):
+    prompts = [[t + 50 * i for t in PROMPT] for i in range(4)]
+    colocated = [tokens(fresh.generate(fresh.decode, GenerateRequest(new_id("c"), 0, p, GREEDY))) for p in prompts]
+
+    async def all_at_once():
+        return await asyncio.gather(*(collect(fresh.decode, decode_plan(new_id("many"), p, GREEDY)) for p in prompts))
+
+    assert [tokens(events) for events in fresh.run(all_at_once())] == colocated
+
+
+def test_each_write_is_counted_with_its_bytes_and_time(fresh):
+    counters = fresh.prefill.counters
+    before_bytes, before_writes = counters.kv_transfer_bytes, len(counters.kv_transfer_seconds)
+    fresh.disaggregated(new_id("count"), PROMPT, GREEDY)
+    layout = fresh.prefill.backend.layout
+    assert counters.kv_transfer_bytes - before_bytes == 3 * layout.num_layers * layout.page_bytes
+    assert len(counters.kv_transfer_seconds) == before_writes + 1 and counters.kv_transfer_seconds[-1] > 0
+
+
+def test_a_reservation_is_confirmed_once_and_only_with_its_token(fresh):
+    fresh.prefill_worker.mode = "hang"  # the reservation waits in PREFILL_REQUESTED
+    rid = new_id("confirm")
+    running = fresh.start_disaggregated(rid, PROMPT, GREEDY)
+    wait_for_state(fresh.decode.receiver, rid, ReceiverState.PREFILL_REQUESTED)
+    token = reception(fresh, rid).token
+    refused_before = fresh.decode.counters.reservations_refused
+    assert fresh.decode.confirm_reservation(ReservationQuery(0, rid, "forged")) is None
+    assert fresh.decode.confirm_reservation(ReservationQuery(0, "someone-else", token)) is None
+    reservation = fresh.decode.confirm_reservation(ReservationQuery(0, rid, token))
+    assert reservation is not None and len(reservation.page_ids) == 3
+    assert time.time() < reservation.write_deadline_unix_s <= time.time() + 1.5
+    assert fresh.decode.confirm_reservation(ReservationQuery(0, rid, token)) is None  # once only
+    assert fresh.decode.counters.reservations_refused - refused_before == 3
+    assert fresh.run(fresh.decode.abort(rid))
+    assert running.result(10)[-1].finish_reason == "abort"
+
+
+@pytest.mark.parametrize("destination", [
+    KVDestination("http://attacker.example:80", 0, "x"),  # not a peer: never called, nothing fetched
+    KVDestination(DECODE_URL, 0, "made-up-token"),  # a peer, but no reservation has that token
+], ids=["unknown-worker", "made-up-token"])
+def test_a_forged_prefill_plan_is_refused_and_writes_nothing(fresh, destination):
+    victim = new_id("victim")
+    fresh.prefill_worker.mode = "hang"
+    running = fresh.start_disaggregated(victim, PROMPT, GREEDY)  # a real reservation the forger aims at
+    wait_for_state(fresh.decode.receiver, victim, ReceiverState.PREFILL_REQUESTED)
+    pool_before = fresh.decode.engine.runner.kv_cache.clone()
+    forged = GenerateRequest(victim, 0, [7] * 40, GREEDY, Plan("prefill", destination=destination))
+    with pytest.raises(HandoffRefused) as refused:
+        fresh.run(fresh.prefill_worker.guard.confirm_prefill_plan(forged))
+    assert refused.value.status == 403
+    time.sleep(0.1)
+    assert torch.equal(fresh.decode.engine.runner.kv_cache, pool_before)
+    assert fresh.decode.receiver.state_of(victim) is ReceiverState.PREFILL_REQUESTED  # the victim's is untouched
+    fresh.run(fresh.decode.abort(victim))
+    assert running.result(10)[-1].finish_reason == "abort"
+
+
+def test_a_notification_before_the_confirm_is_rejected(fresh):
+    fresh.prefill_worker.mode = "hang"
+    rid = new_id("early")
+    running = fresh.start_disaggregated(rid, PROMPT, GREEDY)
+    wait_for_state(fresh.decode.receiver, rid, ReceiverState.PREFILL_REQUESTED)
+    rejected = fresh.decode.counters.notifications_rejected
+    fresh.run(deliver(fresh.decode, reception(fresh, rid).token.encode()))  # nobody may have written yet
+    assert fresh.decode.counters.notifications_rejected == rejected + 1
+    assert fresh.decode.receiver.state_of(rid) is ReceiverState.PREFILL_REQUESTED
+    fresh.run(fresh.decode.abort(rid))
+    running.result(10)
+
+
+def test_a_replayed_or_unknown_notification_starts_no_decode(fresh, monkeypatch):
+    seen: list[bytes] = []
+    backend = fresh.decode.backend
+    deliver_original = backend._on_notification
+    monkeypatch.setattr(backend, "_on_notification", lambda w, p: (seen.append(p), deliver_original(w, p)))
+    fresh.disaggregated(new_id("spent"), PROMPT, GREEDY)
+    assert len(seen) == 1
+    rejected = fresh.decode.counters.notifications_rejected
+    for payload in (seen[0], b"no-such-token"):
+        fresh.run(deliver(fresh.decode, payload))
+    assert fresh.decode.counters.notifications_rejected == rejected + 2
+    assert fresh.decode.load().running == 0 and not fresh.decode.engine.requests
+
+
+def test_a_refused_prefill_frees_the_reservation_at_once(fresh):
+    fresh.prefill_worker.mode = "refuse"
+    rid = new_id("refused")
+    events = fresh.disaggregated(rid, PROMPT, GREEDY)
+    assert events[-1].finish_reason == "error" and "refused" in events[-1].error
+    assert fresh.decode.receiver.state_of(rid) is None  # never confirmed: nothing can land, no quarantine
+    assert eventually(lambda: at_rest(fresh.decode), timeout_s=2.0)
+
+
+def test_prefill_death_after_the_confirm_quarantines_the_reservation_then_frees_it(fresh):
+    fresh.prefill_worker.mode = "die_after_confirm"
+    rid = new_id("died")
+    events = fresh.disaggregated(rid, PROMPT, GREEDY)
+    assert events[-1].finish_reason == "error"
+    assert fresh.decode.receiver.state_of(rid) is ReceiverState.QUARANTINED
+    assert not at_rest(fresh.decode)  # a write could still land: the pages wait out the deadline (the fixture checks)
+
+
+def test_decode_death_fails_the_write_and_frees_the_prefill_pages(fresh):
+    rid = new_id("decode-died")
+    fresh.prefill.steps.test_step_delay_s = 0.3  # time to lose the decode rank while the prefill computes
+    failures = fresh.prefill.counters.kv_transfer_failures
+    running = fresh.start_disaggregated(rid, PROMPT, GREEDY)
+    wait_for_state(fresh.prefill.sender, rid, SenderState.COMPUTING)
+    fresh.fabric.leave(fresh.decode.backend.name)  # its pool is unreachable now
+    try:
+        events = running.result(15)
+    finally:
+        fresh.fabric.join(fresh.decode.backend)
+    assert events[-1].finish_reason == "error" and "KV transfer failed" in events[-1].error
+    assert fresh.prefill.counters.kv_transfer_failures == failures + 1
+    assert eventually(lambda: at_rest(fresh.prefill), timeout_s=5.0)
+
+
+@pytest.mark.parametrize("state", [ReceiverState.PREFILL_REQUESTED, ReceiverState.CONFIRMED, ReceiverState.DECODING])
+def test_abort_during_each_receiver_state_ends_with_abort(fresh, state):
+    rid = new_id(f"abort-{state.value}")
+    if state is ReceiverState.PREFILL_REQUESTED:
+        fresh.prefill_worker.mode = "hang"
+    elif state is ReceiverState.CONFIRMED:
+        fresh.prefill.steps.test_step_delay_s = 0.5  # the prefill computes while the reservation is confirmed
+    running = fresh.start_disaggregated(rid, PROMPT, LONG)
+    if state is ReceiverState.DECODING:
+        assert eventually(lambda: fresh.decode.load().running == 1, timeout_s=10, interval_s=0.002)
+    else:
+        wait_for_state(fresh.decode.receiver, rid, state)
+    assert fresh.run(fresh.decode.abort(rid))
+    assert running.result(10)[-1].finish_reason == "abort"
+
+
+@pytest.mark.parametrize("state", [SenderState.COMPUTING, SenderState.WRITING])
+def test_abort_during_each_sender_state_frees_the_prefill_pages(fresh, state):
+    rid = new_id(f"abort-{state.value}")
+    if state is SenderState.COMPUTING:
+        fresh.prefill.steps.test_step_delay_s = 0.5
+    else:
+        fresh.prefill_faults.write_delay_s = 0.4
+    running = fresh.start_disaggregated(rid, PROMPT, GREEDY)
+    wait_for_state(fresh.prefill.sender, rid, state)
+    assert fresh.run(fresh.prefill.abort(rid))  # as the decode rank does when it gives up
+    assert running.result(15)[-1].finish_reason == "error"  # the decode rank hears the prefill ended without KV
+    assert eventually(lambda: at_rest(fresh.prefill), timeout_s=5.0)
+
+
+def test_a_prefill_that_finishes_after_the_write_deadline_never_writes(fresh):
+    rid = new_id("late")
+    fresh.prefill.steps.test_step_delay_s = HANDOFF_BOUND_S + 0.5  # the decode rank gives up before the prefill is done
+    fresh.prefill_worker.drop_aborts = True  # and its abort is lost: only the deadline stops the write
+    counters = fresh.prefill.counters
+    written, failures = counters.kv_transfer_bytes, counters.kv_transfer_failures
+    running = fresh.start_disaggregated(rid, PROMPT, GREEDY)
+    wait_for_state(fresh.decode.receiver, rid, ReceiverState.CONFIRMED)
+    pages = list(reception(fresh, rid).page_ids)
+    reserved_before = fresh.decode.engine.runner.kv_cache[:, pages].clone()
+    assert running.result(15)[-1].finish_reason == "error"
+    assert eventually(lambda: counters.kv_transfer_failures == failures + 1, timeout_s=10)
+    assert counters.kv_transfer_bytes == written  # the WRITE was never posted
+    assert torch.equal(fresh.decode.engine.runner.kv_cache[:, pages], reserved_before)
+
+
+@pytest.mark.parametrize("fault", ["timeout", "error", "lost notification"])
+def test_a_failed_write_ends_with_an_error_and_holds_the_reservation_until_it_cannot_land(fresh, fault):
+    if fault == "timeout":
+        fresh.prefill_faults.write_delay_s = 1.0  # past the transfer timeout (0.5 s)
+    elif fault == "error":
+        fresh.prefill_faults.write_error = "link down"
+    else:
+        fresh.prefill_faults.drop_notifications = True
+    rid = new_id(fault.replace(" ", "-"))
+    events = fresh.disaggregated(rid, PROMPT, GREEDY)
+    assert events[-1].finish_reason == "error" and not tokens(events)
+    assert fresh.decode.receiver.state_of(rid) in (ReceiverState.QUARANTINED, None)
+
+
+def test_a_hand_off_that_never_answers_is_bounded_by_the_timeouts(fresh):
+    fresh.prefill_worker.mode = "hang"
+    started = time.monotonic()
+    events = fresh.disaggregated(new_id("bounded"), PROMPT, GREEDY)
+    assert events[-1].finish_reason == "error" and "did not come" in events[-1].error
+    assert time.monotonic() - started < HANDOFF_BOUND_S + 5.0

@@ -1,0 +1,168 @@
+"""Both transfer backends behind one interface: a write lands exactly and notifies once, completion and
+notification arrive as events from the backend's thread (nobody polls), a dead peer fails the write. NIXL moves real
+bytes between two agents of this process; the in-process backend also injects delay, failure and lost notices."""
+
+import queue
+import threading
+import uuid
+
+import pytest
+import torch
+
+from pdserve.transfer.backend import open_nixl_backend
+from pdserve.transfer.errors import TransferError, TransferTimeout
+from pdserve.transfer.inprocess import InjectedFaults, InProcessBackend, InProcessFabric
+
+NUM_LAYERS, PAGE_SIZE, KV_DIM = 3, 4, 16
+WAIT_S = 10.0
+
+
+def pool(num_pages: int, seed: int) -> torch.Tensor:
+    return torch.randn(NUM_LAYERS, num_pages, PAGE_SIZE, KV_DIM, generator=torch.Generator().manual_seed(seed))
+
+
+class Notifications:
+    """What a backend's thread delivered, with the thread it came on."""
+
+    def __init__(self) -> None:
+        self.received: queue.Queue[tuple[str, bytes, str]] = queue.Queue()
+
+    def __call__(self, writer: str, payload: bytes) -> None:
+        self.received.put((writer, payload, threading.current_thread().name))
+
+    def next(self) -> tuple[str, bytes, str]:
+        return self.received.get(timeout=WAIT_S)
+
+
+@pytest.fixture(params=["nixl", "inprocess"])
+def pair(request):
+    """(writer backend, reader backend, reader's notifications, reader pool, fabric or None)."""
+    fabric = InProcessFabric()
+    notifications = Notifications()
+    writer_kv, reader_kv = pool(12, seed=0), pool(20, seed=1)
+    suffix = uuid.uuid4().hex[:8]
+
+    def make(name, kv, on_notification):
+        if request.param == "nixl":
+            return open_nixl_backend(name, kv, on_notification, progress_thread=False)
+        return InProcessBackend(name, kv, on_notification, fabric)
+
+    writer = make(f"writer-{suffix}", writer_kv, lambda *_: None)
+    reader = make(f"reader-{suffix}", reader_kv, notifications)
+    yield writer, reader, notifications, writer_kv, reader_kv, (fabric if request.param == "inprocess" else None)
+    writer.close()
+    reader.close()
+
+
+def test_a_write_lands_exactly_and_notifies_once_from_the_backend_thread(pair):
+    writer, reader, notifications, writer_kv, reader_kv, _ = pair
+    expected = reader_kv.clone()
+    peer = writer.add_peer(reader.metadata()).result(WAIT_S)
+    assert peer == reader.name
+    reader.expect_notifications(1)
+    src, dst = [0, 1, 2, 7], [3, 4, 5, 19]
+    result = writer.write(peer, src, dst, b"req-1", timeout_s=WAIT_S).result(WAIT_S)
+    writer_name, payload, thread_name = notifications.next()
+    assert (writer_name, payload) == (writer.name, b"req-1")
+    assert thread_name.startswith("kv-transfer-")
+    assert result.num_bytes == len(src) * NUM_LAYERS * PAGE_SIZE * KV_DIM * 4
+    assert result.num_descriptors == 2 * NUM_LAYERS  # runs 0-2 -> 3-5 and 7 -> 19, per layer
+    expected[:, dst] = writer_kv[:, src]
+    assert torch.equal(reader_kv, expected)
+    assert notifications.received.empty()
+
+
+def test_a_layer_range_moves_only_those_layers(pair):
+    writer, reader, notifications, writer_kv, reader_kv, _ = pair
+    expected = reader_kv.clone()
+    peer = writer.add_peer(reader.metadata()).result(WAIT_S)
+    writer.write(peer, [11], [0], b"layer-1", timeout_s=WAIT_S, layers=range(1, 2)).result(WAIT_S)
+    assert notifications.next()[1] == b"layer-1"
+    expected[1, 0] = writer_kv[1, 11]
+    assert torch.equal(reader_kv, expected)
+
+
+def test_writing_no_pages_still_notifies(pair):
+    writer, reader, notifications, *_ = pair
+    peer = writer.add_peer(reader.metadata()).result(WAIT_S)
+    assert writer.write(peer, [], [], b"all-cached", timeout_s=WAIT_S).result(WAIT_S).num_bytes == 0
+    assert notifications.next()[1] == b"all-cached"
+
+
+def test_a_write_to_an_unknown_peer_fails(pair):
+    writer, *_ = pair
+    with pytest.raises(TransferError, match="unknown"):
+        writer.write("nobody", [0], [0], b"x", timeout_s=WAIT_S).result(WAIT_S)
+
+
+def test_a_write_to_a_peer_that_left_fails_and_moves_nothing():
+    fabric, kept = InProcessFabric(), pool(20, seed=1)
+    writer = InProcessBackend("w", pool(12, seed=0), lambda *_: None, fabric)
+    reader = InProcessBackend("r", kept.clone(), lambda *_: None, fabric)
+    peer = writer.add_peer(reader.metadata()).result(WAIT_S)
+    reader.close()  # the decode rank died
+    with pytest.raises(TransferError, match="unknown|disconnected"):
+        writer.write(peer, [0], [0], b"lost", timeout_s=WAIT_S).result(WAIT_S)
+    assert torch.equal(reader.kv, kept)
+    writer.close()
+
+
+@pytest.mark.parametrize("fault, error", [
+    (InjectedFaults(write_delay_s=0.5), TransferTimeout),
+    (InjectedFaults(write_error="link down"), TransferError),
+])
+def test_injected_faults_fail_the_write_and_move_nothing(fault, error):
+    fabric, kept = InProcessFabric(), pool(20, seed=1)
+    notifications = Notifications()
+    writer = InProcessBackend("w", pool(12, seed=0), lambda *_: None, fabric, fault)
+    reader = InProcessBackend("r", kept.clone(), notifications, fabric)
+    peer = writer.add_peer(reader.metadata()).result(WAIT_S)
+    with pytest.raises(error):
+        writer.write(peer, [0, 1], [5, 6], b"x", timeout_s=0.2).result(WAIT_S)
+    assert torch.equal(reader.kv, kept) and notifications.received.empty()
+    writer.close()
+    reader.close()
+
+
+def test_a_lost_notification_still_moves_the_bytes():
+    fabric = InProcessFabric()
+    notifications = Notifications()
+    writer = InProcessBackend("w", pool(12, seed=0), lambda *_: None, fabric, InjectedFaults(drop_notifications=True))
+    reader = InProcessBackend("r", pool(20, seed=1), notifications, fabric)
+    peer = writer.add_peer(reader.metadata()).result(WAIT_S)
+    writer.write(peer, [2], [9], b"x", timeout_s=WAIT_S).result(WAIT_S)
+    assert torch.equal(reader.kv[:, 9], writer.kv[:, 2]) and notifications.received.empty()
+    writer.close()
+    reader.close()
+
+
+def test_a_peer_with_another_page_shape_is_refused():
+    fabric = InProcessFabric()
+    writer = InProcessBackend("w", pool(12, seed=0), lambda *_: None, fabric)
+    other = InProcessBackend("o", torch.zeros(NUM_LAYERS, 4, PAGE_SIZE, KV_DIM * 2), lambda *_: None, fabric)
+    with pytest.raises(ValueError, match="not the same model"):
+        writer.add_peer(other.metadata()).result(WAIT_S)
+    writer.close()
+    other.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("progress_thread", [True, False], ids=["progress-thread", "transfer-thread-only"])
+def test_a_vram_write_lands_exactly_on_the_gpu(progress_thread):
+    reader_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+    writer_kv, reader_kv = pool(12, seed=0).cuda(), pool(20, seed=1).to(reader_device)
+    expected = reader_kv.clone()
+    notifications = Notifications()
+    writer = open_nixl_backend(f"w-{uuid.uuid4().hex[:8]}", writer_kv, lambda *_: None, progress_thread)
+    reader = open_nixl_backend(f"r-{uuid.uuid4().hex[:8]}", reader_kv, notifications, progress_thread)
+    try:
+        peer = writer.add_peer(reader.metadata()).result(WAIT_S)
+        reader.expect_notifications(1)
+        writer.write(peer, [0, 1, 2, 9], [4, 5, 6, 0], b"vram", timeout_s=WAIT_S).result(WAIT_S)
+        assert notifications.next()[1] == b"vram"
+        expected[:, [4, 5, 6, 0]] = writer_kv[:, [0, 1, 2, 9]].to(reader_device)
+        assert torch.equal(reader_kv, expected)
+    finally:
+        writer.close()
+        reader.close()

@@ -1,0 +1,44 @@
+"""The step thread of a rank (real engine, tiny model): its snapshot answers at once while a step is slow, shows the
+loop stalled for as long as the step lasts and counts completed steps; closures run on the step thread."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+from probes import eventually
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.wire.sampling import SamplingParams
+from pdserve.worker.step_loop import StepLoop
+
+
+@pytest.fixture
+def loop_and_outputs(tiny_v2):
+    outputs = []
+    steps = StepLoop(Engine(EngineConfig(model=tiny_v2, dtype="float32", num_pages=32, progress=False)), 0, None,
+                     outputs.append, lambda message: None)
+    steps.start()
+    yield steps, outputs
+    steps.stop()
+
+
+def test_the_snapshot_answers_during_a_slow_step_and_counts_steps(loop_and_outputs):
+    steps, outputs = loop_and_outputs
+    steps.test_step_delay_s = 1.5
+    before = steps.snapshot.steps_completed
+    asyncio.run(steps.call(lambda: steps.engine.add_request("slow", [3, 4, 5], SamplingParams(max_tokens=1))))
+    assert eventually(lambda: time.monotonic() - steps.snapshot.turned_s > 0.5, timeout_s=5, interval_s=0.01)
+    started = time.monotonic()
+    snapshot = steps.snapshot  # read from another thread while the step sleeps
+    assert time.monotonic() - started < 0.1 and snapshot.steps_completed == before
+    assert eventually(lambda: outputs and outputs[-1].finish_reason == "length", timeout_s=10)
+    assert eventually(lambda: steps.snapshot.steps_completed == before + 1 and
+                      time.monotonic() - steps.snapshot.turned_s < 0.5, timeout_s=5)
+    assert eventually(lambda: steps.snapshot.engine.running == 0 and steps.snapshot.engine.waiting == 0, timeout_s=5)
+
+
+def test_closures_run_on_the_step_thread(loop_and_outputs):
+    steps, _ = loop_and_outputs
+    assert asyncio.run(steps.call(lambda: threading.current_thread().name)) == "rank-0-step"
