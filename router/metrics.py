@@ -45,41 +45,29 @@ class RouterMetrics:
         )
         self._healthy_workers = Gauge("pdserve_router_healthy_workers", "Workers routable now.", labels, registry=self.registry)
 
-    def _labels(self, metric):
-        return metric.labels(**self._label_values)
-
-    def observe_ttft(self, seconds: float) -> None:
-        self._labels(self.time_to_first_token).observe(seconds)
-
-    def observe_itl(self, seconds: float) -> None:
-        self._labels(self.inter_token_latency).observe(seconds)
-
-    def observe_e2e(self, seconds: float) -> None:
-        self._labels(self.e2e_request_latency).observe(seconds)
-
-    def observe_queue(self, seconds: float) -> None:
-        self._labels(self.request_queue).observe(seconds)
-
-    def observe_prefix_match_ratio(self, ratio: float) -> None:
-        self._labels(self.routed_prefix_match_ratio).observe(ratio)
+        # Children bound once: no label look-up per token, and every series is exposed (at 0) from the start.
+        self._bound = {metric: metric.labels(**self._label_values) for metric in (
+            self.time_to_first_token, self.inter_token_latency, self.e2e_request_latency, self.request_queue,
+            self.routed_prefix_match_ratio, self._retries, self._migrations, self._local_prefills, self._healthy_workers)}
+        self.observe_ttft = self._bound[self.time_to_first_token].observe
+        self.observe_itl = self._bound[self.inter_token_latency].observe
+        self.observe_e2e = self._bound[self.e2e_request_latency].observe
+        self.observe_queue = self._bound[self.request_queue].observe
+        self.observe_prefix_match_ratio = self._bound[self.routed_prefix_match_ratio].observe
+        self.count_retry = self._bound[self._retries].inc
+        self.count_migration = self._bound[self._migrations].inc
+        self.count_local_prefill = self._bound[self._local_prefills].inc
+        self.set_healthy_workers = self._bound[self._healthy_workers].set
 
     def count_request(self, status: str) -> None:
         self._requests.labels(status=status, **self._label_values).inc()
 
+    def note_worker(self, worker_url: str) -> None:
+        """A worker's ejection count exists (at 0) from its discovery on."""
+        self._ejections.labels(worker=worker_url, **self._label_values)
+
     def count_ejection(self, worker_url: str) -> None:
         self._ejections.labels(worker=worker_url, **self._label_values).inc()
-
-    def count_retry(self) -> None:
-        self._labels(self._retries).inc()
-
-    def count_migration(self) -> None:
-        self._labels(self._migrations).inc()
-
-    def count_local_prefill(self) -> None:
-        self._labels(self._local_prefills).inc()
-
-    def set_healthy_workers(self, count: int) -> None:
-        self._labels(self._healthy_workers).set(count)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -136,6 +136,7 @@ class WorkerPool:
         urls = {endpoint.url for endpoint in self._discovery.endpoints()}
         for url in urls - self.workers.keys():
             self.workers[url] = WorkerState(url, WorkerClient(url, self._http, self._health_timeout_s))
+            self._metrics.note_worker(url)
         for url in self.workers.keys() - urls:
             worker = self.workers.pop(url)
             self._stop_kv_subscriptions(worker)
