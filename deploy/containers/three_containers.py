@@ -66,18 +66,20 @@ def main() -> int:
     env = {**os.environ, TOKEN_ENV: secrets.token_urlsafe(32)}
     router_port = free_port()
     network, names = tag, {role: f"{tag}-{role}" for role in ("prefill", "decode", "router")}
+    peers = f"http://prefill:{WORKER_PORT},http://decode:{WORKER_PORT}"  # static discovery of hand-off peers
     podman("network", "create", network)
     try:
         for role in ("prefill", "decode"):
             podman("run", "-d", "--name", names[role], "--network", network, "--network-alias", role, "--shm-size", "1g",
                    "-v", f"{model_dir}:/model:ro", "-e", TOKEN_ENV, args.cpu_image,
                    "worker", "--role", role, "--model", "/model", "--host", "0.0.0.0", "--port", str(WORKER_PORT),
-                   "--advertise-url", f"http://{role}:{WORKER_PORT}", "--dtype", "float32", "--num-pages", "256",
+                   "--advertise-url", f"http://{role}:{WORKER_PORT}", "--peers", peers,
+                   "--dtype", "float32", "--num-pages", "256",
                    env=env)
         podman("run", "-d", "--name", names["router"], "--network", network, "-p", f"127.0.0.1:{router_port}:8000",
                "-v", f"{model_dir}:/model:ro", "-e", TOKEN_ENV, args.router_image,
                "router", "--model", "/model", "--host", "0.0.0.0", "--port", "8000",
-               "--workers", f"http://prefill:{WORKER_PORT},http://decode:{WORKER_PORT}", env=env)
+               "--workers", peers, env=env)
         url = f"http://127.0.0.1:{router_port}"
         wait_ready(url, list(names.values()), args.start_timeout_s)
         print(f"[{time.monotonic() - started:5.0f} s] three containers up; router ready at {url}", flush=True)

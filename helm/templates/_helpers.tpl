@@ -26,6 +26,10 @@
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
+{{- define "pdserve.routerImage" -}}
+{{- printf "%s:%s" .Values.image.routerRepository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
 {{/* Labels that select every pod of this release; the router's discovery selector starts with them. */}}
 {{- define "pdserve.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "pdserve.name" . }}

@@ -120,14 +120,22 @@ def test_worker_pods_have_shm_ipc_lock_health_probes_and_a_drain_grace_period() 
         assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
 
 
-def test_router_role_allows_only_reading_pods_in_its_namespace() -> None:
+def test_router_and_workers_may_only_read_pods_in_their_namespace() -> None:
+    """The router discovers workers, workers their hand-off peers: one identity, allowed only that."""
     objects = render_objects()
     role = named(objects, "Role", "pdserve-pod-reader")
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
     binding = named(objects, "RoleBinding", "pdserve-pod-reader")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "pdserve", "namespace": "default"}]
-    assert named(objects, "Deployment", ROUTER)["spec"]["template"]["spec"]["serviceAccountName"] == "pdserve"
+    assert {t["spec"]["serviceAccountName"] for t in pod_templates(objects)} == {"pdserve"}
     assert not by_kind(objects, "ClusterRole") and not by_kind(objects, "ClusterRoleBinding")
+
+
+def test_router_runs_the_torch_free_image_and_workers_the_gpu_image() -> None:
+    objects = render_objects({"image": {"tag": "1.2.3"}})
+    router_image = _container(named(objects, "Deployment", ROUTER)["spec"]["template"])["image"]
+    assert router_image == "ghcr.io/pdserve/pdserve-router:1.2.3"
+    assert {_container(t)["image"] for t in _serving_templates(objects)} == {"ghcr.io/pdserve/pdserve:1.2.3"}
 
 
 @pytest.mark.parametrize("value_set", sorted(VALUE_SETS))

@@ -90,17 +90,6 @@ def test_every_pod_runs_as_non_root_with_capabilities_dropped_and_a_read_only_ro
 
 
 @pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
-def test_pods_can_only_read_pods_of_their_namespace(value_set: str) -> None:
-    """Router and workers list pods (workers and hand-off peers); their identity may do nothing else."""
-    objects = render_objects(VALUE_SETS[value_set])
-    accounts = {template["spec"]["serviceAccountName"] for template in pod_templates(objects)}
-    assert len(accounts) == 1
-    for role in by_kind(objects, "Role") + by_kind(objects, "ClusterRole"):
-        assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
-    assert not by_kind(objects, "ClusterRoleBinding")
-
-
-@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
 def test_every_router_and_worker_gets_the_internal_credential_from_a_secret(value_set: str) -> None:
     values = VALUE_SETS[value_set]
     objects = render_objects(values)
