@@ -60,12 +60,15 @@ class RequestGrammar:
         self._mask_thread = mask_thread
         self._mask = allocate_token_bitmask(1, vocab_size)
         self._pending: concurrent.futures.Future | None = None
+        # Read on the step thread while the mask thread may hold the matcher (llguidance refuses a second borrow):
+        # so it is taken whenever the matcher changes, before the mask thread gets it.
+        self._stopped = matcher.is_stopped()
         self._compute_next_mask()
 
     @property
     def finished(self) -> bool:
         """The grammar is complete (or broken): nothing but end of sequence may follow."""
-        return self._matcher.is_stopped()
+        return self._stopped
 
     def mask_words(self) -> np.ndarray:
         """The allowed next tokens as int32 bit words [ceil(V / 32)], bit i of word w = token 32 w + i."""
@@ -78,10 +81,11 @@ class RequestGrammar:
         if self._pending is not None:  # never consume while the thread still reads the matcher
             self._pending.result()
             self._pending = None
-        if not self._matcher.consume_token(token_id):
+        accepted = self._matcher.consume_token(token_id)
+        self._stopped = self._matcher.is_stopped()
+        if not accepted:
             log.warning("grammar rejected token %s: %s", token_id, self._matcher.get_error())
-            return
-        if not self._matcher.is_stopped():
+        elif not self._stopped:
             self._compute_next_mask()
 
     def _compute_next_mask(self) -> None:

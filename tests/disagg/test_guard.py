@@ -57,17 +57,17 @@ def test_a_destination_discovery_does_not_name_is_refused_without_a_call(url):
     assert refused.value.status == 403 and decode.asked == []
 
 
-@pytest.mark.parametrize("answer, status", [
-    (None, 403),  # the decode worker refused: unknown request, wrong token, asked twice
-    (reservation(deadline_in_s=-1.0), 403),  # already past
-    (reservation(deadline_in_s=MAX_WRITE_WINDOW_S + 60), 403),  # too far ahead
-    (reservation(transfer_timeout_s=0.0), 403),
-    (reservation(transfer_timeout_s=10_000.0), 403),
-    (WorkerUnavailable("connection refused", refused=True), 502),
+@pytest.mark.parametrize("make_answer, status", [  # made when the test runs: deadlines are relative to now
+    (lambda: None, 403),  # the decode worker refused: unknown request, wrong token, asked twice
+    (lambda: reservation(deadline_in_s=-1.0), 403),  # already past
+    (lambda: reservation(deadline_in_s=MAX_WRITE_WINDOW_S + 60), 403),  # too far ahead
+    (lambda: reservation(transfer_timeout_s=0.0), 403),
+    (lambda: reservation(transfer_timeout_s=10_000.0), 403),
+    (lambda: WorkerUnavailable("connection refused", refused=True), 502),
 ])
-def test_a_reservation_that_is_refused_or_out_of_bounds_is_refused(answer, status):
+def test_a_reservation_that_is_refused_or_out_of_bounds_is_refused(make_answer, status):
     with pytest.raises(HandoffRefused) as refused:
-        confirm(HandoffGuard(StaticDiscovery([DECODE]), DecodeWorker(answer)), prefill_plan())
+        confirm(HandoffGuard(StaticDiscovery([DECODE]), DecodeWorker(make_answer())), prefill_plan())
     assert refused.value.status == status
 
 

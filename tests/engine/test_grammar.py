@@ -2,7 +2,10 @@
 outputs follow the schema every time, and a tool-call grammar yields a parseable call. (The prefill/decode hand-off
 of a constrained request is tested on a cluster: tests/router/test_openai_clients.py.)"""
 
+import concurrent.futures
 import json
+import threading
+import time
 
 import jsonschema
 import numpy as np
@@ -10,6 +13,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine import grammar as grammar_module
 from pdserve.engine.grammar import apply_token_masks
 from pdserve.text.grammars import json_schema_source
 from pdserve.text.tool_calls import DeepSeekToolCalls, ToolCallParser, ToolSpec
@@ -86,3 +90,43 @@ def test_a_migrated_stream_continues_the_grammar_after_its_streamed_tokens(llm):
                         sampling=SamplingParams(max_tokens=115, temperature=0.0, grammar=resumed))[0]
     assert streamed + rest.token_ids == whole.token_ids
     jsonschema.validate(json.loads(whole.text), SCHEMA)
+
+
+class BorrowCheckedMatcher:
+    """Stands in for llguidance's matcher where it matters here: like the Rust object, it refuses a call while the
+    mask thread holds it. Complete after three tokens."""
+
+    def __init__(self) -> None:
+        self.held, self.consumed = threading.Event(), 0
+
+    def _check(self) -> None:
+        if self.held.is_set():
+            raise RuntimeError("Already mutably borrowed")
+
+    def is_stopped(self) -> bool:
+        self._check()
+        return self.consumed >= 3
+
+    def consume_token(self, token_id: int) -> bool:
+        self._check()
+        self.consumed += 1
+        return True
+
+
+def slow_fill(matcher: BorrowCheckedMatcher, mask: np.ndarray) -> None:
+    matcher.held.set()
+    time.sleep(0.05)
+    matcher.held.clear()
+
+
+def test_the_step_thread_never_touches_a_matcher_the_mask_thread_holds(monkeypatch):
+    monkeypatch.setattr(grammar_module, "fill_next_token_bitmask", slow_fill)
+    mask_thread = concurrent.futures.ThreadPoolExecutor(1)
+    request_grammar = grammar_module.RequestGrammar(BorrowCheckedMatcher(), 64, mask_thread)
+    assert not request_grammar.finished  # while the first mask is computed
+    for token_id in (5, 6):
+        request_grammar.accept(token_id)
+        assert not request_grammar.finished  # while the next mask is computed
+    request_grammar.accept(7)
+    assert request_grammar.finished
+    mask_thread.shutdown()
