@@ -1,5 +1,6 @@
 """Reference-counted page ids of one rank's KV pool: which pages are free and who still holds the rest."""
 
+import heapq
 from collections import Counter
 from collections.abc import Iterable
 
@@ -12,7 +13,11 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 class PageAllocator:
     """Hands out page ids; a page is free exactly when its reference count is 0.
 
-    Every operation is O(1) per page (plus validating the whole request first, so a bad call changes nothing).
+    Pages go out lowest id first, in ascending order: a request's pages then form long runs of consecutive ids,
+    which a KV transfer moves with one descriptor per run and layer instead of one per page (a free list used as
+    a stack handed freed pages back in descending order: one descriptor per page, ~12 GB/s instead of ~200 on an
+    NVLink pair). Each operation costs O(log pages) per page, plus validating the whole request first, so a bad
+    call changes nothing.
     """
 
     def __init__(self, num_pages: int):
@@ -20,8 +25,7 @@ class PageAllocator:
             raise ValueError(f"num_pages must be >= 0, got {num_pages}")
         self.num_pages = num_pages
         self._refcounts = [0] * num_pages
-        # Reversed so that a fresh pool hands out 0, 1, 2, ... (easier to read in logs and tests).
-        self._free_page_ids = list(range(num_pages - 1, -1, -1))
+        self._free_page_ids = list(range(num_pages))  # a min-heap (sorted is one)
 
     @property
     def num_free(self) -> int:
@@ -37,7 +41,7 @@ class PageAllocator:
             raise ValueError(f"alloc expects n >= 0, got {n}")
         if n > len(self._free_page_ids):
             return None
-        page_ids = [self._free_page_ids.pop() for _ in range(n)]
+        page_ids = [heapq.heappop(self._free_page_ids) for _ in range(n)]
         for page_id in page_ids:
             self._refcounts[page_id] = 1
         return page_ids
@@ -62,7 +66,7 @@ class PageAllocator:
         for page_id in page_ids:
             self._refcounts[page_id] -= 1
             if self._refcounts[page_id] == 0:
-                self._free_page_ids.append(page_id)
+                heapq.heappush(self._free_page_ids, page_id)
 
     def refcount(self, page_id: int) -> int:
         self._check_id(page_id)

@@ -1,6 +1,7 @@
 import pytest
 
 from pdserve.cache.page_allocator import PageAllocator
+from pdserve.transfer.layout import page_runs
 
 
 def test_alloc_hands_out_distinct_pages_with_refcount_one():
@@ -71,3 +72,15 @@ def test_bad_page_ids_raise_with_the_valid_range(bad_id):
 def test_negative_alloc_raises():
     with pytest.raises(ValueError, match=">= 0"):
         PageAllocator(4).alloc(-1)
+
+
+def test_pages_freed_in_any_order_go_out_again_as_one_ascending_run():
+    """A KV transfer moves each run of consecutive pages with one descriptor: freed pages must not come back
+    reversed or interleaved (a stack of freed pages handed out 41, 40, 39, ...: one descriptor per page)."""
+    allocator = PageAllocator(64)
+    first, second = allocator.alloc(16), allocator.alloc(16)
+    allocator.decref(reversed(first))
+    allocator.decref(second[::2] + second[1::2])
+    again = allocator.alloc(32)
+    assert again == list(range(32))
+    assert len(page_runs(again, allocator.alloc(32))) == 1
