@@ -12,7 +12,9 @@ Prints one table. TTFT here is measured at the worker API (no router), first str
 import argparse
 import asyncio
 import json
+import os
 import re
+import secrets
 import statistics
 import tempfile
 import time
@@ -22,6 +24,7 @@ import httpx
 import torch
 
 from pdserve.cluster.local import ClusterConfig, LocalCluster
+from pdserve.http.internal_auth import TOKEN_ENV, bearer_headers
 from pdserve.model.tiny import make_config_only_model, make_tiny_model
 from pdserve.wire.client import WorkerClient
 from pdserve.wire.protocol import GenerateRequest, Plan, PrefillSource
@@ -32,7 +35,7 @@ V2_LITE_CONFIG = Path(__file__).resolve().parents[1] / "pdserve" / "model" / "co
 
 
 async def ttft_s(url: str, request: GenerateRequest) -> float:
-    async with httpx.AsyncClient() as http:
+    async with httpx.AsyncClient(headers=bearer_headers(os.environ[TOKEN_ENV])) as http:
         start = time.perf_counter()
         async for event in WorkerClient(url, http).generate(request, first_token_timeout_s=300):
             if event.error:
@@ -64,6 +67,7 @@ def cluster_config(device: str, progress_thread: str) -> tuple[ClusterConfig, st
 
 
 def main() -> None:
+    os.environ.setdefault(TOKEN_ENV, secrets.token_urlsafe(32))  # the cluster's credential, which this script uses too
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")

@@ -12,6 +12,8 @@ per second and the median TTFT.
 import argparse
 import asyncio
 import json
+import os
+import secrets
 import statistics
 import tempfile
 import time
@@ -22,6 +24,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.cluster.local import ClusterConfig, LocalCluster
+from pdserve.http.internal_auth import TOKEN_ENV, bearer_headers
 from pdserve.model.tiny import make_config_only_model, make_tiny_model
 from pdserve.wire.client import WorkerClient
 from pdserve.wire.protocol import GenerateRequest, Plan, PrefillSource
@@ -68,7 +71,8 @@ async def run_level(decode_url: str, prefill_url: str, prompts: list[list[int]],
     for index in range(len(prompts)):
         queue.put_nowait(index)
     ttfts: list[float] = []
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency + 8)) as http:
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency + 8),
+                                 headers=bearer_headers(os.environ[TOKEN_ENV])) as http:
         async def client() -> None:
             while not queue.empty():
                 index = queue.get_nowait()
@@ -92,6 +96,7 @@ def cluster_config(device: str, progress_thread: str) -> tuple[ClusterConfig, st
 
 
 def main() -> None:
+    os.environ.setdefault(TOKEN_ENV, secrets.token_urlsafe(32))  # the cluster's credential, which this script uses too
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--prompt-tokens", type=int, default=2048)
