@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import tarfile
@@ -270,3 +271,27 @@ def test_helm_lint_strict_finds_no_warnings_or_errors() -> None:
     report = helm.lint(CHART_DIR, strict=True, kube_version="v1.29.0")
     assert report["errors"] == []
     assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+# Router flags the chart sets on purpose to other values than the code's defaults, and why.
+CHART_CHOSEN = {
+    "host": "listen on the pod's interfaces", "port": "the chart's port", "model": "the mounted model",
+    "discovery": "pods through Kubernetes", "k8s_namespace": "the release's", "k8s_label_selector": "the release's",
+    "drain_timeout_s": "bounded by the pod's grace period",
+}
+
+
+def test_router_flags_the_chart_passes_by_default_are_the_code_defaults() -> None:
+    """Configuration has one set of defaults: a value the chart passes unchanged is the code's own default."""
+    from pdserve_router.config import RouterConfig
+    defaults = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
+    compared = []
+    for arg in _router_args(render_objects())[1:]:
+        name, _, value = arg.removeprefix("--").partition("=")
+        field = name.replace("-", "_")
+        if field in CHART_CHOSEN:
+            continue
+        assert field in defaults, f"--{name} is no RouterConfig field"
+        assert type(defaults[field])(value) == defaults[field], f"--{name}: chart {value}, code {defaults[field]}"
+        compared.append(field)
+    assert {"routing", "prefix_weight", "load_weight"} <= set(compared)
