@@ -26,6 +26,14 @@
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
+{{- define "pdserve.workerServiceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- printf "%s-worker" (include "pdserve.serviceAccountName" .) }}
+{{- else }}
+{{- default (include "pdserve.serviceAccountName" .) .Values.serviceAccount.workerName }}
+{{- end }}
+{{- end }}
+
 {{- define "pdserve.routerImage" -}}
 {{- printf "%s:%s" .Values.image.routerRepository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}

@@ -66,7 +66,7 @@ pdserve.io/pool: {{ .name }}
 {{- $multiNode := $pool.multiNode.enabled }}
 {{- $rayPort := $pool.multiNode.rayPort }}
 {{- $gpus := include "pdserve.gpusPerPod" $pool -}}
-serviceAccountName: {{ include "pdserve.serviceAccountName" $root }}
+serviceAccountName: {{ include "pdserve.workerServiceAccountName" $root }}
 securityContext:
   {{- toYaml $root.Values.podSecurityContext | nindent 2 }}
 {{- /* Drain budget: the preStop wait, then the worker's own drain (--drain-timeout-s, after SIGTERM), then a margin

@@ -122,13 +122,16 @@ def test_worker_pods_have_shm_ipc_lock_health_probes_and_a_drain_grace_period() 
 
 
 def test_router_and_workers_may_only_read_pods_in_their_namespace() -> None:
-    """The router discovers workers, workers their hand-off peers: one identity, allowed only that."""
+    """The router discovers workers, workers their hand-off peers: an identity each, allowed only that."""
     objects = render_objects()
     role = named(objects, "Role", "pdserve-pod-reader")
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
     binding = named(objects, "RoleBinding", "pdserve-pod-reader")
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "pdserve", "namespace": "default"}]
-    assert {t["spec"]["serviceAccountName"] for t in pod_templates(objects)} == {"pdserve"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": name, "namespace": "default"}
+                                   for name in ("pdserve", "pdserve-worker")]
+    accounts = {t["metadata"]["labels"]["app.kubernetes.io/component"]: t["spec"]["serviceAccountName"]
+                for t in pod_templates(objects)}
+    assert accounts == {"router": "pdserve", "worker": "pdserve-worker"}
     assert not by_kind(objects, "ClusterRole") and not by_kind(objects, "ClusterRoleBinding")
 
 
