@@ -1,5 +1,6 @@
 """Client of a worker's internal API (pdserve/wire/protocol.py): typed msgspec JSON over httpx; used by the router and by decode workers calling prefill workers."""
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import TypeVar
@@ -21,6 +22,7 @@ from pdserve.wire.protocol import (
 
 T = TypeVar("T")
 GENERATE_CONNECT_TIMEOUT_S = 5.0  # a busy worker may accept slowly; that is not the quick probe a health check is
+DRAIN_AFTER_FINISH_S = 1.0  # bound on reading the end of a finished stream (a worker ends it at once)
 
 
 class WorkerUnavailable(Exception):
@@ -48,6 +50,15 @@ async def _ndjson_lines(response: httpx.Response) -> AsyncIterator[bytes]:
                 yield line
     if buffer.strip():
         yield buffer
+
+
+async def _read_to_end(lines: AsyncIterator[bytes]) -> None:
+    """Read what follows a stream's last event (its end, at once from a worker): a response read to its end gives
+    its connection back to the pool, one left unread is closed, and the next request pays a new TCP connect."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(DRAIN_AFTER_FINISH_S):
+            async for _ in lines:
+                pass
 
 
 class WorkerClient:
@@ -124,12 +135,15 @@ class WorkerClient:
                 if response.status_code != 200:
                     detail = (await response.aread())[:500].decode(errors="replace")
                     raise WorkerUnavailable(f"{self.url} generate: HTTP {response.status_code}: {detail}", refused=True)
-                async for line in _ndjson_lines(response):
+                lines = _ndjson_lines(response)
+                async for line in lines:
                     event = decoder.decode(line)
                     got_event = True
-                    yield event
                     if event.finish_reason is not None:
+                        await _read_to_end(lines)
+                        yield event
                         return
+                    yield event
         except (httpx.HTTPError, msgspec.DecodeError) as error:
             if not got_event:
                 refused = isinstance(error, httpx.ConnectError)
