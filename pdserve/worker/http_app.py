@@ -212,8 +212,7 @@ def build_worker_app(cfg: WorkerConfig, ranks: RankSet, info: WorkerInfo, guard:
     async def prometheus_metrics() -> Response:
         for handle in ranks.handles:
             with contextlib.suppress(Exception):
-                engine_stats, counters = await handle.stats(CALL_TIMEOUT_S)
-                metrics.update(handle.rank, engine_stats, counters)
+                metrics.update(handle.rank, await handle.stats(CALL_TIMEOUT_S))
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -3,7 +3,7 @@
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from pdserve.disagg.counters import HandoffCounters
+from pdserve.worker.rank_runtime import RankStats
 
 LABELS = ["model", "role", "rank"]
 TRANSFER_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -15,7 +15,7 @@ class WorkerMetrics:
     def __init__(self, model: str, role: str):
         self.model, self.role = model, role
         self.registry = CollectorRegistry()
-        self._snapshots: dict[int, tuple[dict, HandoffCounters]] = {}
+        self._snapshots: dict[int, RankStats] = {}
         self._transfer_bytes: dict[int, int] = {}
         self._transfer_failures: dict[int, int] = {}
         self.kv_transfer_seconds = Histogram(
@@ -27,30 +27,30 @@ class WorkerMetrics:
                                    LABELS, registry=self.registry)
         self.registry.register(self)
 
-    def update(self, rank: int, engine_stats: dict, counters: HandoffCounters) -> None:
-        self._snapshots[rank] = (engine_stats, counters)
+    def update(self, rank: int, stats: RankStats) -> None:
+        self._snapshots[rank] = stats
         histogram = self.kv_transfer_seconds.labels(self.model, self.role, str(rank))  # exported from the start, at 0
-        for seconds in counters.kv_transfer_seconds:
+        for seconds in stats.counters.kv_transfer_seconds:
             histogram.observe(seconds)
 
     def collect(self):
         gauges = {
-            "pdserve_num_requests_running": ("Requests in the rank's running batch", lambda s, c: s["running"]),
-            "pdserve_num_requests_waiting": ("Requests waiting for admission", lambda s, c: s["waiting"]),
+            "pdserve_num_requests_running": ("Requests in the rank's running batch", lambda s, c: s.running),
+            "pdserve_num_requests_waiting": ("Requests waiting for admission", lambda s, c: s.waiting),
             "pdserve_kv_cache_usage_ratio": (
                 "Fraction of KV pages in use (prefix-cache pages count as used)",
-                lambda s, c: 1.0 - s["free_pages"] / max(1, s["total_pages"]),
+                lambda s, c: 1.0 - s.free_pages / max(1, s.total_pages),
             ),
             "pdserve_expert_weight_bytes": ("Routed expert weights this rank holds",
-                                            lambda s, c: s.get("expert_weight_bytes", 0)),
+                                            lambda s, c: s.expert_weight_bytes),
         }
         counters = {
             "pdserve_prefix_cache_queries_tokens": ("Prompt tokens looked up in the prefix cache",
-                                                    lambda s, c: s["prefix_queries_tokens"]),
+                                                    lambda s, c: s.prefix_queries_tokens),
             "pdserve_prefix_cache_hits_tokens": ("Prompt tokens served from the prefix cache",
-                                                 lambda s, c: s["prefix_hits_tokens"]),
-            "pdserve_prompt_tokens": ("Prompt tokens prefilled", lambda s, c: s["prompt_tokens"]),
-            "pdserve_generation_tokens": ("Tokens generated", lambda s, c: s["generation_tokens"]),
+                                                 lambda s, c: s.prefix_hits_tokens),
+            "pdserve_prompt_tokens": ("Prompt tokens prefilled", lambda s, c: s.prompt_tokens),
+            "pdserve_generation_tokens": ("Tokens generated", lambda s, c: s.generation_tokens),
             "pdserve_kv_transfer_bytes": ("KV bytes written to decode ranks", lambda s, c: c.kv_transfer_bytes),
             "pdserve_kv_transfer_failures": ("KV transfers that failed or timed out",
                                              lambda s, c: c.kv_transfer_failures),
@@ -63,11 +63,11 @@ class WorkerMetrics:
         }
         for name, (doc, read) in gauges.items():
             family = GaugeMetricFamily(name, doc, labels=LABELS)
-            for rank, (stats, counter) in sorted(self._snapshots.items()):
-                family.add_metric([self.model, self.role, str(rank)], read(stats, counter))
+            for rank, rank_stats in sorted(self._snapshots.items()):
+                family.add_metric([self.model, self.role, str(rank)], read(rank_stats.engine, rank_stats.counters))
             yield family
         for name, (doc, read) in counters.items():
             family = CounterMetricFamily(name, doc, labels=LABELS)
-            for rank, (stats, counter) in sorted(self._snapshots.items()):
-                family.add_metric([self.model, self.role, str(rank)], read(stats, counter))
+            for rank, rank_stats in sorted(self._snapshots.items()):
+                family.add_metric([self.model, self.role, str(rank)], read(rank_stats.engine, rank_stats.counters))
             yield family

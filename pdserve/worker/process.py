@@ -9,8 +9,8 @@ import httpx
 import ray
 import uvicorn
 
-from pdserve.discovery.endpoints import Discovery, KubernetesDiscovery, StaticDiscovery
 from pdserve.disagg.guard import HandoffGuard
+from pdserve.discovery.endpoints import Discovery, KubernetesDiscovery, StaticDiscovery
 from pdserve.http.internal_auth import bearer_headers
 from pdserve.http.slow_clients import SlowClientLimits, bounded_h11
 from pdserve.model.config import ModelConfig

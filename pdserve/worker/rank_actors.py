@@ -18,7 +18,6 @@ import torch.distributed as dist
 from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pdserve.disagg.counters import HandoffCounters
 from pdserve.engine.engine import resolve_device
 from pdserve.wire.protocol import (
     GenerateRequest,
@@ -29,7 +28,7 @@ from pdserve.wire.protocol import (
     ReservationQuery,
     TokenEvent,
 )
-from pdserve.worker.rank_runtime import RankConfig, RankRuntime
+from pdserve.worker.rank_runtime import RankConfig, RankRuntime, RankStats
 
 log = logging.getLogger(__name__)
 RANK_START_TIMEOUT_S = 600.0
@@ -97,8 +96,7 @@ class RankActor:
         return msgspec.json.encode(self._started().load())
 
     async def stats(self) -> bytes:
-        engine_stats, counters = self._started().stats()
-        return msgspec.json.encode({"engine": engine_stats, "counters": counters})
+        return msgspec.json.encode(self._started().stats())
 
     async def confirm_reservation(self, query_json: bytes) -> bytes:
         query = msgspec.json.decode(query_json, type=ReservationQuery)
@@ -131,9 +129,8 @@ class RankHandle:
     async def load(self, timeout_s: float) -> RankLoad:
         return msgspec.json.decode(await asyncio.wait_for(self.actor.load.remote(), timeout_s), type=RankLoad)
 
-    async def stats(self, timeout_s: float) -> tuple[dict, HandoffCounters]:
-        raw = msgspec.json.decode(await asyncio.wait_for(self.actor.stats.remote(), timeout_s))
-        return raw["engine"], msgspec.convert(raw["counters"], HandoffCounters)
+    async def stats(self, timeout_s: float) -> RankStats:
+        return msgspec.json.decode(await asyncio.wait_for(self.actor.stats.remote(), timeout_s), type=RankStats)
 
     async def confirm_reservation(self, query: ReservationQuery, timeout_s: float) -> Reservation | None:
         raw = await asyncio.wait_for(self.actor.confirm_reservation.remote(msgspec.json.encode(query)), timeout_s)

@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import httpx
 import torch
@@ -32,7 +32,7 @@ from pdserve.disagg.receiver import (
 )
 from pdserve.disagg.sender import Sender
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.engine import Engine, NoCapacityError, RequestOutput
+from pdserve.engine.engine import Engine, EngineStats, NoCapacityError, RequestOutput
 from pdserve.engine.lockstep import Lockstep
 from pdserve.http.internal_auth import bearer_headers
 from pdserve.model.config import ModelConfig
@@ -109,6 +109,14 @@ class _EnginePort:
 
     async def release(self, request_id: str) -> None:
         await self._runtime.steps.call(lambda: self._engine.release(request_id))
+
+
+@dataclass
+class RankStats:
+    """What a rank reports for the worker's metrics, across the Ray boundary (msgspec-encoded)."""
+
+    engine: EngineStats
+    counters: HandoffCounters
 
 
 class RankRuntime:
@@ -190,8 +198,8 @@ class RankRuntime:
                         stats.prefix_cache_pages, snapshot.steps_completed, time.monotonic() - snapshot.turned_s,
                         not self.warmed_up)
 
-    def stats(self) -> tuple[dict, HandoffCounters]:
-        return asdict(self.steps.snapshot.engine), self.counters.drain()
+    def stats(self) -> "RankStats":
+        return RankStats(self.steps.snapshot.engine, self.counters.drain())
 
     # --- requests ---------------------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest, reservation: Reservation | None = None) -> AsyncIterator[TokenEvent]:

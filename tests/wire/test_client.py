@@ -58,8 +58,10 @@ class Server:
 async def generate_all(url: str, request_ids: list[str]) -> list[list[TokenEvent]]:
     async with httpx.AsyncClient() as http:
         client = WorkerClient(url, http)
-        return [[event async for event in client.generate(GenerateRequest(rid, 0, [1, 2]), 10.0)]
-                for rid in request_ids]
+        streams = []
+        for rid in request_ids:
+            streams.append([event async for event in client.generate(GenerateRequest(rid, 0, [1, 2]), 10.0)])
+        return streams
 
 
 def test_finished_streams_reuse_one_connection():
