@@ -2,59 +2,70 @@
 
 import argparse
 import os
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from pdserve.http.internal_auth import internal_token_from
+from pdserve.settings.flags import add_flags, comma_list, from_flags, setting
 
 RoutingPolicy = Literal["prefix", "round_robin", "least_load"]
 DiscoveryKind = Literal["static", "k8s"]
 
 
+def worker_url_list(text: str) -> tuple[str, ...]:
+    return tuple(url.rstrip("/") for url in comma_list(text))
+
+
 @dataclass(frozen=True)
 class RouterConfig:
-    model_dir: str  # holds tokenizer.json and tokenizer_config.json
-    served_model_name: str = ""  # defaults to the model directory's name
-    host: str = "127.0.0.1"
-    port: int = 8000
-    discovery: DiscoveryKind = "static"
-    worker_urls: tuple[str, ...] = ()
-    k8s_namespace: str = "default"
-    k8s_label_selector: str = "app.kubernetes.io/name=pdserve"
-    routing: RoutingPolicy = "prefix"
-    prefix_weight: float = 1.0
-    load_weight: float = 0.5
-    # Conditional disaggregation (LocalPrefillRule in router/policies.py); 0 tokens: every prompt goes to a prefill rank.
-    local_prefill_max_tokens: int = 0
-    local_prefill_min_queue: int = 1
-    api_keys: frozenset[str] = field(default_factory=frozenset)  # empty: no authentication
+    model_dir: str = setting(MISSING, "model directory (tokenizer.json, tokenizer_config.json)", flag="--model")
+    served_model_name: str = setting("", "model name clients use (default: the model directory's name)")
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(8000, "port to listen on")
+    discovery: DiscoveryKind = setting("static", "where workers come from: --workers, or the pods Kubernetes lists")
+    worker_urls: tuple[str, ...] = setting((), "comma-separated worker URLs (static discovery)", flag="--workers",
+                                           parse=worker_url_list)
+    k8s_namespace: str = setting("default", "namespace whose pods are workers (k8s discovery)")
+    k8s_label_selector: str = setting("app.kubernetes.io/name=pdserve", "label selector of worker pods (k8s discovery)")
+    routing: RoutingPolicy = setting("prefix", "how a request's prefill rank is chosen")
+    prefix_weight: float = setting(1.0, "prefix routing: weight of the cached share of the prompt")
+    load_weight: float = setting(0.5, "prefix routing: weight of the rank's load")
+    # Conditional disaggregation (LocalPrefillRule in router/policies.py).
+    local_prefill_max_tokens: int = setting(0, "conditional disaggregation: prefill prompts of at most this many "
+                                               "tokens on the decode worker when the prefill rank is busy (0: off)")
+    local_prefill_min_queue: int = setting(1, "...busy meaning at least this many requests running or waiting on it "
+                                              "(0: always)")
+    api_keys: frozenset[str] = field(default_factory=frozenset)  # empty: no authentication (--api-keys-file)
     # Limits: what a request may ask for before it is refused with a 4xx.
-    max_body_bytes: int = 4 * 1024 * 1024
-    max_prompt_chars: int = 4 * 1024 * 1024  # text to tokenize per request; more is a 400 before tokenizing starts
-    text_threads: int = 2  # threads that tokenize and render chat templates off the event loop
-    max_n: int = 16
-    max_tokens_limit: int = 32768
-    max_model_len: int = 0  # 0: taken from the workers' info (the smallest), else this
+    max_body_bytes: int = setting(4 * 1024 * 1024, "larger request bodies get a 413")
+    max_prompt_chars: int = setting(4 * 1024 * 1024, "a request with more prompt text than this gets a 400 before "
+                                                     "any tokenization starts")
+    text_threads: int = setting(2, "threads that tokenize and render chat templates off the event loop")
+    max_n: int = setting(16, "largest n (choices per request)")
+    max_tokens_limit: int = setting(32768, "largest max_tokens a request may ask for")
+    max_model_len: int = setting(0, "context length (0: the smallest the workers report)")
     # Admission: requests in flight beyond this get a 429 with Retry-After instead of waiting unboundedly.
-    max_concurrent_requests: int = 1024
-    max_streams_per_api_key: int = 256
-    retry_after_s: int = 1
+    max_concurrent_requests: int = setting(1024, "requests in flight beyond this get a 429")
+    max_streams_per_api_key: int = setting(256, "requests in flight per API key beyond this get a 429")
+    retry_after_s: int = setting(1, "Retry-After of a 429")
     # Workers: how fast a dead one is ejected and a returning one re-admitted.
-    health_interval_s: float = 1.0
-    health_timeout_s: float = 1.0
-    eject_after_failures: int = 2  # checks that fail outright (refused, error status) before ejection
-    eject_unresponsive_after_s: float = 10.0  # checks that time out: ejection after this long without an answer
-    pending_assignment_ttl_s: float = 10.0  # router's own assignments count in the index this long
-    max_attempts: int = 3  # ranks tried for a request that has produced no token yet
-    max_migrations: int = 2  # times a stream moves to another decode path after its worker failed mid-stream
-    first_token_timeout_s: float = 600.0  # bound on waiting for a worker's first token
-    # Slow clients (pdserve/http/slow_clients.py): a request must arrive whole within this of its first byte, and a
-    # response the client stops taking is cut after this long.
-    request_read_timeout_s: float = 30.0
-    send_stall_timeout_s: float = 60.0
-    drain_timeout_s: float = 30.0  # on SIGTERM: streams in flight get this long to finish
-    # The deployment's shared secret for the workers' internal API (pdserve/http/internal_auth.py).
+    health_interval_s: float = setting(1.0, "seconds between health checks of each worker")
+    health_timeout_s: float = setting(1.0, "bound on one health check")
+    eject_after_failures: int = setting(2, "checks that fail outright (refused, error status) before ejection")
+    eject_unresponsive_after_s: float = setting(10.0, "eject a worker whose health checks time out only after this "
+                                                      "long without an answer")
+    pending_assignment_ttl_s: float = setting(10.0, "the router's own assignments count in its prefix index this long")
+    max_attempts: int = setting(3, "ranks tried for a request that has produced no token yet")
+    max_migrations: int = setting(2, "times a stream moves to another decode path after its worker failed mid-stream")
+    first_token_timeout_s: float = setting(600.0, "bound on waiting for a worker's first token")
+    # Slow clients (pdserve/http/slow_clients.py).
+    request_read_timeout_s: float = setting(30.0, "a request's head and body must arrive within this of its first "
+                                                  "byte, else 408")
+    send_stall_timeout_s: float = setting(60.0, "a response the client stops reading for this long is cut")
+    drain_timeout_s: float = setting(30.0, "on SIGTERM, streams in flight get this long to finish")
+    # The deployment's shared secret for the workers' internal API (pdserve/http/internal_auth.py), from
+    # --internal-token-file or the environment, never a flag's value.
     internal_token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
@@ -88,61 +99,14 @@ def read_api_keys(path: str) -> frozenset[str]:
 
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--model", required=True, help="model directory (tokenizer.json, tokenizer_config.json)")
-    parser.add_argument("--served-model-name", default="", help="model name clients use (default: directory name)")
-    parser.add_argument("--discovery", choices=["static", "k8s"], default="static")
-    parser.add_argument("--workers", default="", help="comma-separated worker URLs (static discovery)")
-    parser.add_argument("--k8s-namespace", default="default")
-    parser.add_argument("--k8s-label-selector", default="app.kubernetes.io/name=pdserve")
-    parser.add_argument("--routing", choices=["prefix", "round_robin", "least_load"], default="prefix")
-    parser.add_argument("--prefix-weight", type=float, default=1.0)
-    parser.add_argument("--load-weight", type=float, default=0.5)
-    parser.add_argument("--local-prefill-max-tokens", type=int, default=0,
-                        help="conditional disaggregation: prefill prompts of at most this many tokens on the "
-                             "decode worker when the prefill rank is busy (0: off)")
-    parser.add_argument("--local-prefill-min-queue", type=int, default=1,
-                        help="...busy meaning at least this many requests running or waiting on it (0: always)")
-    parser.add_argument("--eject-unresponsive-after-s", type=float, default=10.0,
-                        help="eject a worker whose health checks time out only after this long (one that refuses "
-                             "connections goes after 2 failed checks)")
+    add_flags(parser, RouterConfig)
     parser.add_argument("--api-keys-file", default="", help="file with one API key per line (default: no auth)")
-    parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger request bodies get a 413")
-    parser.add_argument("--max-prompt-chars", type=int, default=4 * 1024 * 1024,
-                        help="a request with more prompt text than this gets a 400 before any tokenization starts")
-    parser.add_argument("--request-read-timeout-s", type=float, default=30.0,
-                        help="a request's head and body must arrive within this of its first byte, else 408")
-    parser.add_argument("--send-stall-timeout-s", type=float, default=60.0,
-                        help="a response the client stops reading for this long is cut")
-    parser.add_argument("--drain-timeout-s", type=float, default=30.0,
-                        help="on SIGTERM, streams in flight get this long to finish before the router exits")
     parser.add_argument("--internal-token-file", default="",
                         help="file holding the workers' internal-API credential (default: $PDSERVE_INTERNAL_TOKEN, "
                              "else a per-user file shared with workers started on this machine)")
 
 
 def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
-    return RouterConfig(
-        model_dir=args.model,
-        served_model_name=args.served_model_name,
-        host=args.host,
-        port=args.port,
-        discovery=args.discovery,
-        worker_urls=tuple(url.strip().rstrip("/") for url in args.workers.split(",") if url.strip()),
-        k8s_namespace=args.k8s_namespace,
-        k8s_label_selector=args.k8s_label_selector,
-        routing=args.routing,
-        prefix_weight=args.prefix_weight,
-        load_weight=args.load_weight,
-        local_prefill_max_tokens=args.local_prefill_max_tokens,
-        local_prefill_min_queue=args.local_prefill_min_queue,
-        eject_unresponsive_after_s=args.eject_unresponsive_after_s,
-        api_keys=read_api_keys(args.api_keys_file) if args.api_keys_file else frozenset(),
-        max_body_bytes=args.max_body_bytes,
-        max_prompt_chars=args.max_prompt_chars,
-        request_read_timeout_s=args.request_read_timeout_s,
-        send_stall_timeout_s=args.send_stall_timeout_s,
-        drain_timeout_s=args.drain_timeout_s,
-        internal_token=internal_token_from(args.internal_token_file, os.environ),
-    )
+    return from_flags(RouterConfig, args,
+                      api_keys=read_api_keys(args.api_keys_file) if args.api_keys_file else frozenset(),
+                      internal_token=internal_token_from(args.internal_token_file, os.environ))

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Lower layers never import higher ones; packages of one layer do not import each other.
 LAYERS = [
-    {"wire", "text", "http", "discovery"},  # what crosses process boundaries, where peers are; no torch
+    {"wire", "text", "http", "discovery", "settings"},  # what crosses process boundaries, where peers are, flags; no torch
     {"cache"},  # pages and the prefix tree (pure Python)
     {"ops", "transfer"},
     {"model"},

@@ -1,27 +1,34 @@
 """Engine settings, built once at the edge (offline API, CLI, worker flags) and passed down."""
 
 from dataclasses import dataclass
+from typing import Literal
+
+from pdserve.settings.flags import setting
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
-    device: str = "auto"  # auto: cuda if available, else cpu
-    page_size: int = 16
-    num_pages: int | None = None  # None: from kv_cache_memory_gib (CPU) or gpu_memory_fraction (GPU)
-    kv_cache_memory_gib: float = 1.0
-    gpu_memory_fraction: float = 0.9
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048  # per-step token budget shared by decodes and prefill chunks
-    max_model_len: int | None = None  # None: max_position_embeddings
-    enable_prefix_cache: bool = True
-    attention_backend: str = "auto"  # auto | torch | flashinfer
-    moe_backend: str = "auto"  # auto | torch | grouped
-    cuda_graphs: bool = True  # decode under CUDA graphs where it can run (flashinfer attention); ignored on CPU
-    load_format: str = "safetensors"  # safetensors | random (the config's shape with random weights: benchmarks)
-    seed: int = 0
-    progress: bool = True
+    model: str  # a Hugging Face model directory
+    dtype: Literal["auto", "float32", "bfloat16"] = setting("auto", "weights and activations (auto: float32 on CPU, "
+                                                                     "bfloat16 on GPU)")
+    device: str = setting("auto", "torch device (auto: cuda if available, else cpu)")
+    page_size: int = setting(16, "tokens per KV page")
+    num_pages: int | None = setting(None, "KV pages per rank (default: from --kv-cache-memory-gib on the CPU, "
+                                          "--gpu-memory-fraction on a GPU)")
+    kv_cache_memory_gib: float = setting(1.0, "KV pool per rank on the CPU, in GiB")
+    gpu_memory_fraction: float = setting(0.9, "share of GPU memory for weights, activations and the KV pool")
+    max_num_seqs: int = setting(256, "requests a rank runs at once")
+    max_num_batched_tokens: int = setting(2048, "per-step token budget shared by decodes and prefill chunks")
+    max_model_len: int | None = setting(None, "context length (default: the model's max_position_embeddings)")
+    enable_prefix_cache: bool = setting(True, "reuse cached KV pages of shared prompt prefixes", flag="--prefix-cache")
+    attention_backend: Literal["auto", "torch", "flashinfer"] = setting("auto", "attention kernels (auto: flashinfer "
+                                                                                "on GPU where it runs)")
+    moe_backend: Literal["auto", "torch", "grouped"] = setting("auto", "expert matmuls (auto: grouped on GPU)")
+    cuda_graphs: bool = setting(True, "decode under CUDA graphs where it can run (flashinfer attention; not on CPU)")
+    load_format: Literal["safetensors", "random"] = setting("safetensors", "random: the config's shape with random "
+                                                                           "weights (benchmarks; no checkpoint needed)")
+    seed: int = setting(0, "seed of random weights and of unseeded sampling")
+    progress: bool = True  # progress bars while loading (off in workers, whose output is logs)
 
     def __post_init__(self) -> None:
         checks = [

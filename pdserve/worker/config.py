@@ -3,39 +3,48 @@
 import argparse
 import os
 from dataclasses import dataclass, field
+from typing import Literal
 
 from pdserve.engine.config import EngineConfig
 from pdserve.http.internal_auth import internal_token_from
+from pdserve.settings.flags import add_flags, from_flags, setting
 from pdserve.wire.protocol import Role
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
     engine: EngineConfig
-    role: Role = "both"
-    num_ranks: int = 1
-    expert_parallel: bool = False  # the ranks form one instance sharing the routed experts
-    host: str = "127.0.0.1"
-    port: int = 8100
-    advertise_url: str | None = None  # how peers reach this worker; default http://host:port
-    ray_address: str | None = None  # None: start a local Ray instance
-    served_model_name: str = ""
-    transfer_timeout_s: float = 30.0
-    prefill_timeout_s: float = 120.0
-    drain_timeout_s: float = 30.0
-    gpus_per_rank: float = 1.0  # below 1, workers share a GPU (small models, single-GPU benchmarks)
-    request_read_timeout_s: float = 30.0  # a request must arrive whole within this of its first byte (slow clients)
-    # The deployment's shared secret: required on every internal-API call, sent on the calls this worker makes.
+    role: Role = setting("both", "what this worker's ranks do")
+    num_ranks: int = setting(1, "DP attention ranks in this worker", flag="--ranks")
+    expert_parallel: bool = setting(False, "the ranks form one instance: each holds 1/RANKS of the routed experts "
+                                           "(DP attention)")
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(8100, "port to listen on")
+    advertise_url: str | None = setting(None, "URL peers use to reach this worker (default http://HOST:PORT)")
+    ray_address: str | None = setting(None, "join this Ray cluster instead of starting a local one")
+    served_model_name: str = setting("", "model name reported to the router (default: the model directory's name)")
+    transfer_timeout_s: float = setting(30.0, "bound on one KV write")
+    prefill_timeout_s: float = setting(120.0, "decode side: bound on waiting for a prefill worker's first token")
+    drain_timeout_s: float = setting(30.0, "grace period for in-flight requests on SIGTERM")
+    gpus_per_rank: float = setting(1.0, "GPU share Ray reserves per rank; below 1 several workers share a GPU (set "
+                                        "--num-pages then)")
+    request_read_timeout_s: float = setting(30.0, "a request's head and body must arrive within this of its first "
+                                                  "byte, else 408")
+    # The deployment's shared secret: required on every internal-API call, sent on the calls this worker makes. From
+    # --internal-token-file or the environment, never a flag's value.
     internal_token: str = field(default="", repr=False)
-    # Hand-off peers: the workers this one exchanges KV with (static URLs, or pods through Kubernetes discovery).
-    peers: tuple[str, ...] = ()
-    discovery: str = "static"  # static | k8s
-    k8s_namespace: str = "default"
-    k8s_label_selector: str = "app.kubernetes.io/name=pdserve"
-    nixl_progress_thread: bool | None = None  # None: on for GPU pools, off on the CPU
-    warmup: bool = True
-    stuck_step_timeout_s: float = 300.0  # a rank whose step loop has not turned for this long is unhealthy
-    test_step_delay_s: float = 0.0  # test hook: each step after warm-up sleeps this long first
+    peers: tuple[str, ...] = setting((), "comma-separated URLs of the workers this one may exchange KV with (static "
+                                         "discovery)")
+    discovery: Literal["static", "k8s"] = setting("static", "where hand-off peers come from: --peers, or the pods "
+                                                            "Kubernetes lists")
+    k8s_namespace: str = setting("default", "namespace whose pods are peers (k8s discovery)")
+    k8s_label_selector: str = setting("app.kubernetes.io/name=pdserve", "label selector of peer pods (k8s discovery)")
+    nixl_progress_thread: bool | None = setting(None, "NIXL's own progress thread (spins a core): auto = on for GPU "
+                                                      "pools, off on the CPU")
+    warmup: bool = setting(True, "run every kernel variant once before reporting ready")
+    stuck_step_timeout_s: float = setting(300.0, "a rank whose step loop has not moved on for this long is unhealthy "
+                                                 "(a long step is not)")
+    test_step_delay_s: float = setting(0.0, "test hook: each step after warm-up sleeps this long first", hidden=True)
 
     @property
     def url(self) -> str:
@@ -44,71 +53,14 @@ class WorkerConfig:
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="Hugging Face model directory (default: a generated tiny model)")
-    parser.add_argument("--role", choices=("prefill", "decode", "both"), default="both")
-    parser.add_argument("--ranks", type=int, default=1, help="DP attention ranks in this worker")
-    parser.add_argument("--expert-parallel", action="store_true",
-                        help="the ranks form one instance: each holds 1/RANKS of the routed experts (DP attention)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8100)
-    parser.add_argument("--advertise-url", help="URL peers use to reach this worker (default http://HOST:PORT)")
-    parser.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
-    parser.add_argument("--served-model-name", default="")
-    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--num-pages", type=int, help="KV pages per rank (default: from memory settings)")
-    parser.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="KV pool per rank on the CPU")
-    parser.add_argument("--gpu-memory-fraction", type=float, default=0.9)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-model-len", type=int)
-    parser.add_argument("--no-prefix-cache", action="store_true")
-    parser.add_argument("--transfer-timeout-s", type=float, default=30.0, help="bound on one KV write")
-    parser.add_argument("--prefill-timeout-s", type=float, default=120.0,
-                        help="decode side: bound on waiting for a prefill worker's first token")
-    parser.add_argument("--drain-timeout-s", type=float, default=30.0, help="grace period for in-flight requests on SIGTERM")
-    parser.add_argument("--gpus-per-rank", type=float, default=1.0,
-                        help="GPU share Ray reserves per rank; below 1 several workers share a GPU (set --num-pages then)")
-    parser.add_argument("--request-read-timeout-s", type=float, default=30.0,
-                        help="a request's head and body must arrive within this of its first byte, else 408")
-    parser.add_argument("--load-format", choices=("safetensors", "random"), default="safetensors",
-                        help="random: the config's shape with random weights (benchmarks; no checkpoint needed)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of random weights and of unseeded sampling")
+    add_flags(parser, WorkerConfig)
+    add_flags(parser, EngineConfig)
     parser.add_argument("--internal-token-file", default="",
                         help="file holding the internal-API credential (default: $PDSERVE_INTERNAL_TOKEN, else a "
                              "per-user file shared with a router and workers started on this machine)")
-    parser.add_argument("--peers", default="",
-                        help="comma-separated URLs of the workers this one may exchange KV with (static discovery)")
-    parser.add_argument("--discovery", choices=("static", "k8s"), default="static",
-                        help="where hand-off peers come from: --peers, or the pods Kubernetes lists")
-    parser.add_argument("--k8s-namespace", default="default")
-    parser.add_argument("--k8s-label-selector", default="app.kubernetes.io/name=pdserve")
-    parser.add_argument("--nixl-progress-thread", choices=("auto", "on", "off"), default="auto",
-                        help="NIXL's own progress thread (spins a core): auto = on for GPU pools, off on the CPU")
-    parser.add_argument("--no-warmup", action="store_true",
-                        help="report ready without first running every kernel variant once")
-    parser.add_argument("--stuck-step-timeout-s", type=float, default=300.0,
-                        help="a rank whose step loop has not moved on for this long is unhealthy (a long step is not)")
-    parser.add_argument("--test-step-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: slow steps
 
 
 def worker_config_from_args(args: argparse.Namespace, model_dir: str) -> WorkerConfig:
-    engine = EngineConfig(
-        model=model_dir, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
-        kv_cache_memory_gib=args.kv_cache_memory_gib, gpu_memory_fraction=args.gpu_memory_fraction,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache, progress=False,
-        load_format=args.load_format, seed=args.seed,
-    )
-    return WorkerConfig(
-        engine=engine, role=args.role, num_ranks=args.ranks, expert_parallel=args.expert_parallel, host=args.host, port=args.port,
-        advertise_url=args.advertise_url, ray_address=args.ray_address, served_model_name=args.served_model_name,
-        transfer_timeout_s=args.transfer_timeout_s, prefill_timeout_s=args.prefill_timeout_s,
-        drain_timeout_s=args.drain_timeout_s, gpus_per_rank=args.gpus_per_rank,
-        request_read_timeout_s=args.request_read_timeout_s,
-        internal_token=internal_token_from(args.internal_token_file, os.environ),
-        peers=tuple(url.strip() for url in args.peers.split(",") if url.strip()), discovery=args.discovery,
-        k8s_namespace=args.k8s_namespace, k8s_label_selector=args.k8s_label_selector,
-        nixl_progress_thread={"auto": None, "on": True, "off": False}[args.nixl_progress_thread],
-        warmup=not args.no_warmup, stuck_step_timeout_s=args.stuck_step_timeout_s,
-        test_step_delay_s=args.test_step_delay_s,
-    )
+    engine = from_flags(EngineConfig, args, model=model_dir, progress=False)
+    return from_flags(WorkerConfig, args, engine=engine,
+                      internal_token=internal_token_from(args.internal_token_file, os.environ))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
+import argparse
 import json
 import re
 import tarfile
@@ -276,25 +276,45 @@ def test_helm_lint_strict_finds_no_warnings_or_errors() -> None:
     assert [m for m in report["messages"] if m["severity"] >= 2] == []
 
 
-# Router flags the chart sets on purpose to other values than the code's defaults, and why.
+# Flags the chart sets on purpose to other values than the code's defaults, and why.
 CHART_CHOSEN = {
-    "host": "listen on the pod's interfaces", "port": "the chart's port", "model": "the mounted model",
-    "discovery": "pods through Kubernetes", "k8s_namespace": "the release's", "k8s_label_selector": "the release's",
-    "drain_timeout_s": "bounded by the pod's grace period",
+    "--host": "listen on the pod's interfaces", "--port": "the chart's port", "--model": "the mounted model",
+    "--discovery": "pods through Kubernetes", "--k8s-namespace": "the release's", "--k8s-label-selector": "the release's",
+    "--drain-timeout-s": "bounded by the pod's grace period", "--role": "the pool's", "--ranks": "the pool's",
+    "--advertise-url": "the pod's IP", "--page-size": "64-token pages on GPUs: fewer, larger KV transfer descriptors",
 }
+POD_ENV = {"POD_IP": "10.0.0.7"}
 
 
-def test_router_flags_the_chart_passes_by_default_are_the_code_defaults() -> None:
-    """Configuration has one set of defaults: a value the chart passes unchanged is the code's own default."""
-    from pdserve_router.config import RouterConfig
-    defaults = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
-    compared = []
-    for arg in _router_args(render_objects())[1:]:
-        name, _, value = arg.removeprefix("--").partition("=")
-        field = name.replace("-", "_")
-        if field in CHART_CHOSEN:
-            continue
-        assert field in defaults, f"--{name} is no RouterConfig field"
-        assert type(defaults[field])(value) == defaults[field], f"--{name}: chart {value}, code {defaults[field]}"
-        compared.append(field)
-    assert {"routing", "prefix_weight", "load_weight"} <= set(compared)
+def _parsed(add_arguments, argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def _expand(args: list[str], objects: list[dict]) -> list[str]:
+    """The container's args with $(VAR) replaced as the kubelet would, from the engine ConfigMap and the pod."""
+    env = POD_ENV | named(objects, "ConfigMap", "pdserve-engine")["data"]
+    return [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg) for arg in args]
+
+
+def _only_chosen(args: list[str]) -> list[str]:
+    return [arg for arg in args if arg.partition("=")[0] in CHART_CHOSEN]
+
+
+def test_flags_the_chart_passes_parse_and_unchosen_ones_are_the_code_defaults(monkeypatch) -> None:
+    """Configuration has one set of defaults: the config the chart's flags build equals the one built from only the
+    flags it chooses on purpose, so every other value it passes is the code's own default."""
+    from pdserve.worker.config import add_worker_arguments, worker_config_from_args
+    from pdserve_router.config import add_router_arguments, router_config_from_args
+    monkeypatch.setenv("PDSERVE_INTERNAL_TOKEN", "t0ken")
+    objects = render_objects()
+    router_args = _router_args(objects)[1:]
+    config = router_config_from_args(_parsed(add_router_arguments, router_args))
+    assert config == router_config_from_args(_parsed(add_router_arguments, _only_chosen(router_args)))
+    assert {"--routing", "--prefix-weight", "--load-weight"} <= {a.partition("=")[0] for a in router_args}
+    for template in _serving_templates(objects):
+        worker_args = _expand(_container(template)["args"][1:], objects)
+        config = worker_config_from_args(_parsed(add_worker_arguments, worker_args), "/model")
+        assert config == worker_config_from_args(_parsed(add_worker_arguments, _only_chosen(worker_args)), "/model")
+        assert config.engine.gpu_memory_fraction == 0.9 and config.url == "http://10.0.0.7:8100"

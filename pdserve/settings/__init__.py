@@ -1,0 +1,1 @@
+"""Configuration machinery shared by every process: settings declared once on frozen dataclasses."""
