@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from gpu_decode_prefill import DEFAULT_CONFIG, contiguous_batch, step_inputs
 
-from pdserve.cluster.local import free_port
+from pdserve.cluster.layout import free_port
 from pdserve.model.config import ModelConfig
 from pdserve.model.loader import build_model
 from pdserve.model.random_init import init_random_weights

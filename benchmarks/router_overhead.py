@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import msgspec
 
-from pdserve.cluster.local import free_port
+from pdserve.cluster.layout import free_port
 from pdserve.http.internal_auth import TOKEN_ENV
 from pdserve.wire.protocol import (
     API_VERSION,

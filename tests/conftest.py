@@ -60,14 +60,15 @@ def ray_address():
 
 
 @pytest.fixture(scope="session")
-def pd_cluster(tiny_v2, ray_address, tmp_path_factory):
-    """A router with one prefill, one decode and one colocated (both) worker, float32, on the tiny V2 model.
+def pd_cluster(tiny_v2):
+    """A router with one prefill, one decode and one colocated (both) worker, float32, on the tiny V2 model, all in
+    this process (pdserve/cluster/inprocess.py); tests that kill, freeze or drain a process start a LocalCluster.
     Slow-client bounds are short (3 s) so that tests/reliability/test_slow_clients.py need not wait out the defaults."""
-    from pdserve.cluster.local import ClusterConfig, LocalCluster
+    from pdserve.cluster.inprocess import InProcessCluster
+    from pdserve.cluster.layout import ClusterConfig
 
-    cfg = ClusterConfig(model=tiny_v2, port=0, num_prefill=1, num_decode=1, num_both=1, ray_address=ray_address,
+    cfg = ClusterConfig(model=tiny_v2, port=0, num_prefill=1, num_decode=1, num_both=1,
                         worker_args=("--dtype", "float32", "--num-pages", "512", "--request-read-timeout-s", "3"),
-                        router_args=("--request-read-timeout-s", "3", "--send-stall-timeout-s", "3"),
-                        log_dir=str(tmp_path_factory.mktemp("pd-cluster-logs")))
-    with LocalCluster(cfg) as cluster:
+                        router_args=("--request-read-timeout-s", "3", "--send-stall-timeout-s", "3"))
+    with InProcessCluster(cfg) as cluster:
         yield cluster

@@ -5,7 +5,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,31 +14,18 @@ from pathlib import Path
 import httpx
 import ray
 
+from pdserve.cluster.layout import (
+    ClusterConfig,
+    StartedCluster,
+    free_port,
+    router_flags,
+    wait_routable,
+    worker_flags,
+    worker_slots,
+)
 from pdserve.http.internal_auth import TOKEN_ENV
 
 log = logging.getLogger(__name__)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    model: str
-    port: int = 8000  # the router's; 0 picks a free one
-    num_prefill: int = 1
-    num_decode: int = 1
-    num_both: int = 0  # colocated workers (role both); with num_prefill = num_decode = 0 the cluster is colocated
-    ranks_per_worker: int = 1
-    routing: str = "prefix"
-    worker_args: tuple[str, ...] = ()  # extra `pdserve worker` flags
-    router_args: tuple[str, ...] = ()
-    start_timeout_s: float = 300.0
-    ray_address: str | None = None  # join this Ray instance; None: start one owned by this cluster
-    log_dir: str | None = None  # each process's output goes to a file here (default: a temp dir)
 
 
 @dataclass
@@ -52,7 +38,7 @@ class ProcessInfo:
 
 
 @dataclass
-class LocalCluster:
+class LocalCluster(StartedCluster):
     cfg: ClusterConfig
     workers: list[ProcessInfo] = field(default_factory=list)
     router: ProcessInfo | None = None
@@ -81,33 +67,22 @@ class LocalCluster:
                 ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
                          logging_level=logging.WARNING, namespace="pdserve")
             self.ray_address = ray.get_runtime_context().gcs_address
-        roles = ["prefill"] * cfg.num_prefill + ["decode"] * cfg.num_decode + ["both"] * cfg.num_both
-        ports = [free_port() for _ in roles]
-        peers = ",".join(f"http://127.0.0.1:{port}" for port in ports)  # every worker may hand KV to every other
-        counts: dict[str, int] = {}
-        for role, port in zip(roles, ports):
-            index = counts[role] = counts.get(role, -1) + 1
-            self.workers.append(self._spawn(f"{role}-{index}", [
-                "worker", "--role", role, "--ranks", str(cfg.ranks_per_worker), "--model", cfg.model,
-                "--ray-address", self.ray_address, "--peers", peers, *cfg.worker_args,
-            ], port=port))
+        slots = worker_slots(cfg)
+        for slot in slots:
+            self.workers.append(self._spawn(slot.name, slot.url, [
+                "worker", *worker_flags(cfg, slot, slots), "--ray-address", self.ray_address]))
         deadline = time.monotonic() + cfg.start_timeout_s
         for worker in self.workers:
             self._wait_healthy(worker, deadline)
         router_port = cfg.port or free_port()
-        self.router = self._spawn("router", [
-            "router", "--model", cfg.model, "--workers", ",".join(w.url for w in self.workers),
-            "--routing", cfg.routing, *cfg.router_args,
-        ], port=router_port)
+        self.router = self._spawn("router", f"http://127.0.0.1:{router_port}", [
+            "router", *router_flags(cfg, [w.url for w in self.workers], router_port)])
         self._wait_healthy(self.router, deadline)
-        self._wait_routable(deadline)
+        wait_routable(self.url, len(self.workers), deadline)
         return self
 
-    def _spawn(self, name: str, args: list[str], port: int | None = None) -> ProcessInfo:
-        port = port or free_port()
-        command = [sys.executable, "-m", "pdserve", *args, "--host", "127.0.0.1", "--port", str(port)]
-        info = ProcessInfo(name, f"http://127.0.0.1:{port}", command)
-        return self._launch(info)
+    def _spawn(self, name: str, url: str, args: list[str]) -> ProcessInfo:
+        return self._launch(ProcessInfo(name, url, [sys.executable, "-m", "pdserve", *args]))
 
     def _launch(self, info: ProcessInfo) -> ProcessInfo:
         assert self._log_dir is not None
@@ -130,19 +105,6 @@ class LocalCluster:
                 pass
             time.sleep(0.25)
         raise TimeoutError(f"{info.name} not healthy within {self.cfg.start_timeout_s} s; log: {info.log_path}")
-
-    def _wait_routable(self, deadline: float) -> None:
-        """The router has learned every worker (health-checked and read their info)."""
-        while time.monotonic() < deadline:
-            try:
-                models = httpx.get(self.url + "/v1/models", timeout=1.0)
-                seen = httpx.get(self.url + "/health", timeout=1.0).json().get("workers", {})
-                if models.status_code == 200 and sum(state == "ok" for state in seen.values()) >= len(self.workers):
-                    return
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(0.25)
-        raise TimeoutError("router did not see its workers in time")
 
     def log_tail(self, info: ProcessInfo, lines: int = 30) -> str:
         if info.log_path is None or not info.log_path.exists():
@@ -175,13 +137,3 @@ class LocalCluster:
                 info.process.wait(timeout=15)
         if self._owns_ray:
             ray.shutdown()
-
-    def __enter__(self) -> "LocalCluster":
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()

@@ -28,6 +28,7 @@ from pdserve.wire.protocol import (
 )
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.drain import CountedStreamingResponse, DrainGate
+from pdserve.worker.inprocess_rank import InProcessRank
 from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.rank_actors import RankHandle
 
@@ -36,6 +37,7 @@ CALL_TIMEOUT_S = 10.0
 HEALTH_INTERVAL_S = 1.0
 LOAD_TIMEOUT_S = 5.0  # the actor answers load from its snapshot: only a dead or restarting rank takes this long
 KV_EVENT_POLL_S = 0.05
+Rank = RankHandle | InProcessRank  # a rank actor, or a rank in this process (the in-process cluster)
 
 
 def rank_condition(load: RankLoad | None, stuck_after_s: float) -> str:
@@ -53,8 +55,8 @@ class RankSet:
     (never waiting on its step thread). `restart`, when given (an expert-parallel instance), replaces every rank as
     soon as one is down or stuck; the worker is unhealthy until the new ranks have warmed up."""
 
-    def __init__(self, handles: list[RankHandle],
-                 restart: Callable[[], Awaitable[list[RankHandle]]] | None = None, stuck_after_s: float = 300.0):
+    def __init__(self, handles: list[Rank],
+                 restart: Callable[[], Awaitable[list[Rank]]] | None = None, stuck_after_s: float = 300.0):
         self.handles = handles
         self.conditions = ["ok"] * len(handles)
         self.stuck_after_s = stuck_after_s
@@ -109,7 +111,7 @@ def build_worker_app(cfg: WorkerConfig, ranks: RankSet, info: WorkerInfo, guard:
 
     app.add_exception_handler(ClientDisconnect, client_left)
 
-    def rank_handle(rank: int) -> RankHandle | None:
+    def rank_handle(rank: int) -> Rank | None:
         return ranks.handles[rank] if 0 <= rank < len(ranks.handles) else None
 
     @app.get("/health")

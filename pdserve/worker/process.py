@@ -18,7 +18,7 @@ from pdserve.wire.client import WorkerClient
 from pdserve.wire.protocol import API_VERSION, RankInfo, Reservation, ReservationQuery, WorkerInfo
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.drain import SHUTDOWN_AFTER_DRAIN_S, DrainGate, DrainingServer
-from pdserve.worker.http_app import RankSet, build_worker_app
+from pdserve.worker.http_app import Rank, RankSet, build_worker_app
 from pdserve.worker.instance import ExpertParallelInstance
 from pdserve.worker.rank_actors import RANK_START_TIMEOUT_S, connect_ray, start_ranks
 from pdserve.worker.rank_runtime import RankConfig
@@ -32,37 +32,20 @@ def run_worker(cfg: WorkerConfig) -> None:
     connect_ray(cfg.ray_address)
     on_gpus = ray.cluster_resources().get("GPU", 0) >= cfg.num_ranks * cfg.gpus_per_rank and cfg.engine.device != "cpu"
     gpus_per_rank = cfg.gpus_per_rank if on_gpus else 0.0
-    rank_configs = [
-        RankConfig(rank=i, role=cfg.role, engine=cfg.engine, worker_url=cfg.url,
-                   transfer_timeout_s=cfg.transfer_timeout_s,
-                   prefill_timeout_s=cfg.prefill_timeout_s, world_size=cfg.num_ranks,
-                   expert_parallel=cfg.expert_parallel, internal_token=cfg.internal_token,
-                   nixl_progress_thread=cfg.nixl_progress_thread,
-                   warmup=cfg.warmup, test_step_delay_s=cfg.test_step_delay_s)
-        for i in range(cfg.num_ranks)
-    ]
     mode = " (one expert-parallel instance)" if cfg.expert_parallel else ""
     print(f"pdserve worker: loading {cfg.engine.model} on {cfg.num_ranks} rank(s){mode} ...", flush=True)
     if cfg.expert_parallel:
-        instance = ExpertParallelInstance(rank_configs, gpus_per_rank)
+        instance = ExpertParallelInstance(rank_configs(cfg), gpus_per_rank)
         handles = asyncio.run(instance.start())
         rank_set = RankSet(handles, restart=instance.restart, stuck_after_s=cfg.stuck_step_timeout_s)
     else:
-        handles = start_ranks(rank_configs, gpus_per_rank)
+        handles = start_ranks(rank_configs(cfg), gpus_per_rank)
         rank_set = RankSet(handles, stuck_after_s=cfg.stuck_step_timeout_s)
-    infos, ready_s = asyncio.run(_gather_infos(handles, started))  # each rank answers once it has warmed up
-    model_cfg = ModelConfig.from_dir(cfg.engine.model)
-    info = WorkerInfo(
-        api_version=API_VERSION,
-        role=cfg.role,
-        model=cfg.served_model_name or Path(cfg.engine.model).name,
-        max_model_len=cfg.engine.max_model_len or model_cfg.max_position_embeddings,
-        ranks=infos,
-    )
+    info, ready_s = asyncio.run(describe_worker(cfg, handles, started))  # each rank answers once it has warmed up
     gate = DrainGate()
-    app = build_worker_app(cfg, rank_set, info, _handoff_guard(cfg), gate, ready_s)
+    app = build_worker_app(cfg, rank_set, info, handoff_guard(cfg), gate, ready_s)
     print(f"pdserve worker: {cfg.role} serving on {cfg.url}, ready in {time.monotonic() - started:.1f} s "
-          f"(warm-up {max(r.warmup_s for r in infos):.1f} s)", flush=True)
+          f"(warm-up {max(r.warmup_s for r in info.ranks):.1f} s)", flush=True)
     # No send-stall bound here: the router reads a stream only as fast as its client does, and cuts it (and so
     # this stream) when that client stalls; a bound here would take a slow client for a failed worker.
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
@@ -72,7 +55,19 @@ def run_worker(cfg: WorkerConfig) -> None:
     print("pdserve worker: drained, exiting", flush=True)
 
 
-def _handoff_guard(cfg: WorkerConfig) -> HandoffGuard:
+def rank_configs(cfg: WorkerConfig) -> list[RankConfig]:
+    return [
+        RankConfig(rank=i, role=cfg.role, engine=cfg.engine, worker_url=cfg.url,
+                   transfer_timeout_s=cfg.transfer_timeout_s,
+                   prefill_timeout_s=cfg.prefill_timeout_s, world_size=cfg.num_ranks,
+                   expert_parallel=cfg.expert_parallel, internal_token=cfg.internal_token,
+                   nixl_progress_thread=cfg.nixl_progress_thread,
+                   warmup=cfg.warmup, test_step_delay_s=cfg.test_step_delay_s)
+        for i in range(cfg.num_ranks)
+    ]
+
+
+def handoff_guard(cfg: WorkerConfig) -> HandoffGuard:
     peers: Discovery = (KubernetesDiscovery(cfg.k8s_namespace, cfg.k8s_label_selector) if cfg.discovery == "k8s"
                         else StaticDiscovery(cfg.peers))
     http = httpx.AsyncClient(headers=bearer_headers(cfg.internal_token))
@@ -83,11 +78,20 @@ def _handoff_guard(cfg: WorkerConfig) -> HandoffGuard:
     return HandoffGuard(peers, confirm_at)
 
 
-async def _gather_infos(handles, started: float) -> tuple[list[RankInfo], list[float]]:
-    """Each rank's info, once it has warmed up, and the seconds from `started` (monotonic) until then."""
-    async def ready(handle) -> tuple[RankInfo, float]:
+async def describe_worker(cfg: WorkerConfig, handles: list[Rank], started: float) -> tuple[WorkerInfo, list[float]]:
+    """The worker's info, once every rank has warmed up, and per rank the seconds from `started` (monotonic) until
+    it had."""
+    async def ready(handle: Rank) -> tuple[RankInfo, float]:
         info = await handle.info(RANK_START_TIMEOUT_S)
         return info, time.monotonic() - started
 
     answers = await asyncio.gather(*(ready(h) for h in handles))
-    return [info for info, _ in answers], [seconds for _, seconds in answers]
+    model_cfg = ModelConfig.from_dir(cfg.engine.model)
+    info = WorkerInfo(
+        api_version=API_VERSION,
+        role=cfg.role,
+        model=cfg.served_model_name or Path(cfg.engine.model).name,
+        max_model_len=cfg.engine.max_model_len or model_cfg.max_position_embeddings,
+        ranks=[info for info, _ in answers],
+    )
+    return info, [seconds for _, seconds in answers]

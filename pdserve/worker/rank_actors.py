@@ -54,8 +54,7 @@ class RankActor:
         """The runtime, its step thread running and its warm-up under way (from the first call on)."""
         if self.runtime is None:
             raise RuntimeError(f"rank {self.cfg.rank} has not joined its expert-parallel instance")
-        self.runtime.start(asyncio.get_running_loop())
-        self.runtime.start_warm_up()
+        self.runtime.serve_here()
         return self.runtime
 
     async def rendezvous_address(self) -> str:

@@ -168,6 +168,12 @@ class RankRuntime:
         self._loop = loop
         self.steps.start()
 
+    def serve_here(self) -> None:
+        """From a caller's first call on: the step thread runs, warm-up is under way, and events go to the caller's
+        (running) event loop. Idempotent: every call of the rank's caller makes it."""
+        self.start(asyncio.get_running_loop())
+        self.start_warm_up()
+
     def start_warm_up(self) -> None:
         if self._warm_up_task is None:
             self._warm_up_task = asyncio.ensure_future(self._warm_up())

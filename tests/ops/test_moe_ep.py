@@ -3,12 +3,11 @@
 import pytest
 import torch
 import torch.distributed as dist
+from spawned_ranks import run_spawned_ranks
 
-from pdserve.cluster.local import free_port
+from pdserve.cluster.layout import free_port
 from pdserve.ops.moe import TorchMoE
 from pdserve.ops.moe_ep import ExpertParallelMoE, expert_owner_range
-
-from spawned_ranks import run_spawned_ranks
 
 NUM_EXPERTS, HIDDEN, INTER, TOP_K = 8, 32, 16, 3
 

@@ -46,20 +46,6 @@ def rss_bytes(pid: int) -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def rank_actor_pids() -> list[int]:
-    """The Ray worker processes that host rank actors (Ray titles them `ray::RankActor...`)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                    if cmdline.read().startswith(b"ray::RankActor"):
-                        pids.append(int(entry))
-            except OSError:
-                continue
-    return pids
-
-
 def rank_actor_pids_of(worker_pid: int) -> list[int]:
     """The live rank actors of one worker process joined to a shared Ray (they are not its children there). Each
     worker is its own Ray job (its driver), so its actors are those of the job whose driver has its pid. Read from

@@ -15,7 +15,7 @@ import pytest
 from load import rank_actor_pids_of
 from probes import health_status, internal_headers, wait_for
 
-from pdserve.cluster.local import free_port
+from pdserve.cluster.layout import free_port
 from pdserve.wire.client import WorkerClient
 from pdserve.wire.protocol import GenerateRequest, TokenEvent
 from pdserve.wire.sampling import SamplingParams

@@ -5,23 +5,22 @@ the P/D path, and both give the offline engine's greedy tokens."""
 import httpx
 import pytest
 import torch
+from probes import metric_total
 
 from pdserve import LLM, SamplingParams
-from pdserve.cluster.local import ClusterConfig, LocalCluster
-
-from probes import metric_total
+from pdserve.cluster.inprocess import InProcessCluster
+from pdserve.cluster.layout import ClusterConfig
 
 MAX_LOCAL_TOKENS = 32
 TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_v2, ray_address, tmp_path_factory):
-    cfg = ClusterConfig(model=tiny_v2, port=0, num_prefill=1, num_decode=1, ray_address=ray_address,
+def cluster(tiny_v2):
+    cfg = ClusterConfig(model=tiny_v2, port=0, num_prefill=1, num_decode=1,
                         worker_args=("--dtype", "float32", "--num-pages", "128"),
-                        router_args=("--local-prefill-max-tokens", str(MAX_LOCAL_TOKENS), "--local-prefill-min-queue", "0"),
-                        log_dir=str(tmp_path_factory.mktemp("conditional-logs")))
-    with LocalCluster(cfg) as running:
+                        router_args=("--local-prefill-max-tokens", str(MAX_LOCAL_TOKENS), "--local-prefill-min-queue", "0"))
+    with InProcessCluster(cfg) as running:
         yield running
 
 

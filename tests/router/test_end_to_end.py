@@ -6,11 +6,10 @@ import time
 import openai
 import pytest
 import torch
+from probes import eventually, metric_total
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.local import ClusterConfig, LocalCluster
-
-from probes import eventually, metric_total
 
 
 def sdk_for(cluster) -> tuple[openai.OpenAI, str]:
@@ -103,8 +102,7 @@ def routed_match_sum(cluster) -> float:
 def test_restarted_router_rebuilds_its_prefix_index_from_the_workers(pd_cluster, client, MODEL):
     prompt = "Router restart check: a prompt long enough to fill several pages of the KV cache. " * 4
     client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
-    pd_cluster.restart(pd_cluster.router)
-    pd_cluster._wait_routable(time.monotonic() + 60)
+    pd_cluster.restart_router()
     assert routed_match_sum(pd_cluster) == 0  # a fresh router: nothing routed, nothing remembered
     time.sleep(5)  # its subscriptions fetch each rank's full KV-event dump
     sdk = openai.OpenAI(base_url=pd_cluster.url + "/v1", api_key="unused", timeout=60, max_retries=0)

@@ -14,14 +14,14 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from probes import wait_for
 from pydantic import BaseModel, Field
 
 from pdserve import LLM, SamplingParams
-from pdserve.cluster.local import ClusterConfig, LocalCluster
+from pdserve.cluster.inprocess import InProcessCluster
+from pdserve.cluster.layout import ClusterConfig
 from pdserve.text.grammars import json_schema_source
 from pdserve.wire.sampling import Grammar
-
-from probes import wait_for
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city.",
@@ -42,12 +42,11 @@ class Weather(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_v3_deepseek, ray_address, tmp_path_factory):
-    cfg = ClusterConfig(model=tiny_v3_deepseek, port=0, num_prefill=1, num_decode=1, ray_address=ray_address,
+def cluster(tiny_v3_deepseek):
+    cfg = ClusterConfig(model=tiny_v3_deepseek, port=0, num_prefill=1, num_decode=1,
                         worker_args=("--dtype", "float32", "--num-pages", "512"),
-                        router_args=("--max-body-bytes", str(8 * 2**20), "--max-prompt-chars", str(6 * 2**20)),
-                        log_dir=str(tmp_path_factory.mktemp("openai-clients-logs")))
-    with LocalCluster(cfg) as running:
+                        router_args=("--max-body-bytes", str(8 * 2**20), "--max-prompt-chars", str(6 * 2**20)))
+    with InProcessCluster(cfg) as running:
         yield running
 
 

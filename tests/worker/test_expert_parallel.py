@@ -13,7 +13,7 @@ import pytest
 import torch
 from probes import health_status, internal_headers, wait_for
 
-from pdserve.cluster.local import free_port
+from pdserve.cluster.layout import free_port
 from pdserve.engine.llm import LLM
 from pdserve.wire.client import WorkerClient
 from pdserve.wire.protocol import GenerateRequest, TokenEvent

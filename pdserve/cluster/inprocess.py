@@ -1,0 +1,174 @@
+"""A whole cluster in this process: the router and every worker behind real HTTP on 127.0.0.1, each worker's ranks
+driven in process (no Ray actor, no subprocess), KV handed between pools over NIXL as between processes. The parts are
+configured from the same flags as `pdserve worker` and `pdserve router`, and are the same apps; only the process
+boundary is gone. For tests and tools that need no process to die: it starts in seconds, not in a process start,
+a Ray actor and a model load per worker (the kill, freeze and drain tests keep local.py's processes).
+
+All the HTTP servers share one event loop, on a thread of its own; each rank steps its engine on its own thread as
+in a worker process. Expert-parallel workers need a process per rank and are refused."""
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import uvicorn
+
+from pdserve.cluster.layout import (
+    ClusterConfig,
+    StartedCluster,
+    free_port,
+    router_flags,
+    wait_routable,
+    worker_flags,
+    worker_slots,
+)
+from pdserve.http.internal_auth import TOKEN_ENV
+from pdserve.http.slow_clients import SlowClientLimits, bounded_h11
+from pdserve.worker.config import add_worker_arguments, worker_config_from_args
+from pdserve.worker.drain import DrainGate
+from pdserve.worker.http_app import RankSet, build_worker_app
+from pdserve.worker.inprocess_rank import InProcessRank
+from pdserve.worker.process import describe_worker, handoff_guard, rank_configs
+from pdserve.worker.rank_runtime import RankRuntime
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+STOP_TIMEOUT_S = 30.0
+
+
+@dataclass
+class ServedApp:
+    """One part of the cluster: a worker or the router, served by uvicorn on the cluster's loop."""
+
+    name: str
+    url: str
+    server: uvicorn.Server
+    task: asyncio.Task | None = None
+    ranks: list[InProcessRank] = field(default_factory=list)
+
+    @property
+    def alive(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+
+@dataclass
+class InProcessCluster(StartedCluster):
+    cfg: ClusterConfig
+    workers: list[ServedApp] = field(default_factory=list)
+    router: ServedApp | None = None
+    # As in local.py: the cluster's internal-API credential, $PDSERVE_INTERNAL_TOKEN when set.
+    internal_token: str = field(default_factory=lambda: os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32),
+                                repr=False)
+    _loop: asyncio.AbstractEventLoop | None = None
+    _thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.router is not None
+        return self.router.url
+
+    def start(self) -> "InProcessCluster":
+        deadline = time.monotonic() + self.cfg.start_timeout_s
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="inprocess-cluster", daemon=True)
+        self._thread.start()
+        self._run(self._start_parts(), self.cfg.start_timeout_s)
+        wait_routable(self.url, len(self.workers), deadline)
+        return self
+
+    def _run(self, coroutine: Coroutine[Any, Any, T], timeout_s: float) -> T:
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout_s)
+
+    async def _start_parts(self) -> None:
+        cfg = self.cfg
+        slots = worker_slots(cfg)
+        for slot in slots:
+            self.workers.append(await self._start_worker(slot.name, worker_flags(cfg, slot, slots)))
+        self.router = await self._start_router(self._router_flags(cfg.port or free_port()))
+
+    def _router_flags(self, port: int) -> list[str]:
+        return router_flags(self.cfg, [w.url for w in self.workers], port)
+
+    def restart_router(self) -> None:
+        """A new router on the same port, knowing nothing of the old one's state (as after its process restarted)."""
+        assert self.router is not None
+        port = int(self.router.url.rsplit(":", 1)[1])
+        self._run(self._stop_served([self.router]), STOP_TIMEOUT_S + 1)
+        self.router = self._run(self._start_router(self._router_flags(port)), self.cfg.start_timeout_s)
+        wait_routable(self.url, len(self.workers), time.monotonic() + self.cfg.start_timeout_s)
+
+    async def _start_worker(self, name: str, flags: list[str]) -> ServedApp:
+        parser = argparse.ArgumentParser()
+        add_worker_arguments(parser)
+        args = parser.parse_args(flags)
+        worker = dataclasses.replace(worker_config_from_args(args, args.model), internal_token=self.internal_token)
+        if worker.expert_parallel:
+            raise ValueError("an expert-parallel worker needs a process per rank: use LocalCluster")
+        started = time.monotonic()
+        # Loading a model blocks; off the loop, so that parts already serving go on answering.
+        runtimes = [await asyncio.to_thread(RankRuntime, rank) for rank in rank_configs(worker)]
+        ranks = [InProcessRank(runtime) for runtime in runtimes]
+        info, ready_s = await describe_worker(worker, ranks, started)
+        app = build_worker_app(worker, RankSet(ranks, stuck_after_s=worker.stuck_step_timeout_s), info,
+                               handoff_guard(worker), DrainGate(), ready_s)
+        served = await self._serve(name, worker.url, app, SlowClientLimits(worker.request_read_timeout_s))
+        served.ranks = ranks
+        return served
+
+    async def _start_router(self, flags: list[str]) -> ServedApp:
+        from pdserve_router.app import build_router_app
+        from pdserve_router.config import add_router_arguments, router_config_from_args
+
+        parser = argparse.ArgumentParser()
+        add_router_arguments(parser)
+        config = dataclasses.replace(router_config_from_args(parser.parse_args(flags)),
+                                     internal_token=self.internal_token)
+        limits = SlowClientLimits(config.request_read_timeout_s, config.send_stall_timeout_s)
+        return await self._serve("router", f"http://127.0.0.1:{config.port}", build_router_app(config), limits)
+
+    @staticmethod
+    async def _serve(name: str, url: str, app: Any, limits: SlowClientLimits) -> ServedApp:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        # log_config None: uvicorn leaves this process's logging alone, and its errors reach the root logger.
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=int(port), log_level="warning", log_config=None,
+                                               http=bounded_h11(limits)))
+        served = ServedApp(name, url, server, asyncio.create_task(server.serve(), name=name))
+        while not server.started:
+            if served.task.done():  # it could not bind, or its startup failed
+                raise RuntimeError(f"{name} did not start: {served.task.exception()!r}")
+            await asyncio.sleep(0.02)
+        return served
+
+    def stop(self) -> None:
+        if self._loop is None:
+            return
+        try:
+            self._run(self._stop_parts(), STOP_TIMEOUT_S)
+        finally:
+            for worker in self.workers:
+                for rank in worker.ranks:
+                    rank.stop()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            assert self._thread is not None
+            self._thread.join(STOP_TIMEOUT_S)
+            self._loop = None
+
+    async def _stop_parts(self) -> None:
+        await self._stop_served(([self.router] if self.router else []) + self.workers)
+
+    @staticmethod
+    async def _stop_served(parts: list[ServedApp]) -> None:
+        for part in parts:
+            part.server.should_exit = True
+        tasks = [p.task for p in parts if p.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=STOP_TIMEOUT_S)
