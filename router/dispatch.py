@@ -97,7 +97,9 @@ class Dispatcher:
         failed_starts = 0
         last_error_event: TokenEvent | None = None
         for attempt in itertools.count():
+            deciding_s = time.perf_counter()
             route = self.choose(continuation.next_prompt(), excluded)
+            self._metrics.observe_routing_decision(time.perf_counter() - deciding_s)
             if route is None:
                 break
             self._note_route(route, attempt, continuation, arrival_s)

@@ -6,6 +6,7 @@ TTFT_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 QUEUE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+DECISION_BUCKETS_S = (0.00002, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
 RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
@@ -23,6 +24,10 @@ class RouterMetrics:
         self.e2e_request_latency = histogram("pdserve_e2e_request_latency_seconds", "Request latency.", E2E_BUCKETS_S)
         self.request_queue = histogram(
             "pdserve_request_queue_seconds", "Time from arrival to the request being sent to a worker.", QUEUE_BUCKETS_S
+        )
+        self.routing_decision = histogram(
+            "pdserve_router_routing_decision_seconds", "Time to choose a request's prefill and decode ranks.",
+            DECISION_BUCKETS_S,
         )
         self.routed_prefix_match_ratio = histogram(
             "pdserve_routed_prefix_match_ratio", "Matched / total prompt tokens on the chosen rank.", RATIO_BUCKETS
@@ -48,11 +53,12 @@ class RouterMetrics:
         # Children bound once: no label look-up per token, and every series is exposed (at 0) from the start.
         self._bound = {metric: metric.labels(**self._label_values) for metric in (
             self.time_to_first_token, self.inter_token_latency, self.e2e_request_latency, self.request_queue,
-            self.routed_prefix_match_ratio, self._retries, self._migrations, self._local_prefills, self._healthy_workers)}
+            self.routing_decision, self.routed_prefix_match_ratio, self._retries, self._migrations, self._local_prefills, self._healthy_workers)}
         self.observe_ttft = self._bound[self.time_to_first_token].observe
         self.observe_itl = self._bound[self.inter_token_latency].observe
         self.observe_e2e = self._bound[self.e2e_request_latency].observe
         self.observe_queue = self._bound[self.request_queue].observe
+        self.observe_routing_decision = self._bound[self.routing_decision].observe
         self.observe_prefix_match_ratio = self._bound[self.routed_prefix_match_ratio].observe
         self.count_retry = self._bound[self._retries].inc
         self.count_migration = self._bound[self._migrations].inc

@@ -5,7 +5,8 @@ boundary is gone. For tests and tools that need no process to die: it starts in 
 a Ray actor and a model load per worker (the kill, freeze and drain tests keep local.py's processes).
 
 All the HTTP servers share one event loop, on a thread of its own; each rank steps its engine on its own thread as
-in a worker process. Expert-parallel workers need a process per rank and are refused."""
+in a worker process. With `transfer="inprocess"` KV moves by copies between the pools instead of over NIXL.
+Expert-parallel workers need a process per rank and are refused."""
 
 import argparse
 import asyncio
@@ -13,18 +14,20 @@ import dataclasses
 import logging
 import os
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
+import torch
 import uvicorn
 
 from pdserve.cluster.layout import (
     ClusterConfig,
     StartedCluster,
-    free_port,
+    listening_socket,
     router_flags,
     wait_routable,
     worker_flags,
@@ -32,6 +35,8 @@ from pdserve.cluster.layout import (
 )
 from pdserve.http.internal_auth import TOKEN_ENV
 from pdserve.http.slow_clients import SlowClientLimits, bounded_h11
+from pdserve.transfer.backend import OnNotification
+from pdserve.transfer.inprocess import InProcessBackend, InProcessFabric
 from pdserve.worker.config import add_worker_arguments, worker_config_from_args
 from pdserve.worker.drain import DrainGate
 from pdserve.worker.http_app import RankSet, build_worker_app
@@ -67,6 +72,10 @@ class InProcessCluster(StartedCluster):
     # As in local.py: the cluster's internal-API credential, $PDSERVE_INTERNAL_TOKEN when set.
     internal_token: str = field(default_factory=lambda: os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32),
                                 repr=False)
+    # KV between pools: NIXL (UCX), as between processes; or in-process copies (pdserve/transfer/inprocess.py), which
+    # keep no thread polling per rank: for hundreds of ranks in one process.
+    transfer: Literal["nixl", "inprocess"] = "nixl"
+    _fabric: InProcessFabric = field(default_factory=InProcessFabric)
     _loop: asyncio.AbstractEventLoop | None = None
     _thread: threading.Thread | None = None
 
@@ -90,23 +99,22 @@ class InProcessCluster(StartedCluster):
 
     async def _start_parts(self) -> None:
         cfg = self.cfg
-        slots = worker_slots(cfg)
-        for slot in slots:
-            self.workers.append(await self._start_worker(slot.name, worker_flags(cfg, slot, slots)))
-        self.router = await self._start_router(self._router_flags(cfg.port or free_port()))
-
-    def _router_flags(self, port: int) -> list[str]:
-        return router_flags(self.cfg, [w.url for w in self.workers], port)
+        # Every port is held from the start: starting many workers takes long enough for other sockets to come.
+        sockets = [listening_socket() for _ in range(cfg.num_prefill + cfg.num_decode + cfg.num_both)]
+        slots = worker_slots(cfg, [sock.getsockname()[1] for sock in sockets])
+        for slot, sock in zip(slots, sockets):
+            self.workers.append(await self._start_worker(slot.name, worker_flags(cfg, slot, slots), sock))
+        self.router = await self._start_router(listening_socket(cfg.port))
 
     def restart_router(self) -> None:
         """A new router on the same port, knowing nothing of the old one's state (as after its process restarted)."""
         assert self.router is not None
         port = int(self.router.url.rsplit(":", 1)[1])
         self._run(self._stop_served([self.router]), STOP_TIMEOUT_S + 1)
-        self.router = self._run(self._start_router(self._router_flags(port)), self.cfg.start_timeout_s)
+        self.router = self._run(self._start_router(listening_socket(port)), self.cfg.start_timeout_s)
         wait_routable(self.url, len(self.workers), time.monotonic() + self.cfg.start_timeout_s)
 
-    async def _start_worker(self, name: str, flags: list[str]) -> ServedApp:
+    async def _start_worker(self, name: str, flags: list[str], sock: socket.socket) -> ServedApp:
         parser = argparse.ArgumentParser()
         add_worker_arguments(parser)
         args = parser.parse_args(flags)
@@ -115,33 +123,36 @@ class InProcessCluster(StartedCluster):
             raise ValueError("an expert-parallel worker needs a process per rank: use LocalCluster")
         started = time.monotonic()
         # Loading a model blocks; off the loop, so that parts already serving go on answering.
-        runtimes = [await asyncio.to_thread(RankRuntime, rank) for rank in rank_configs(worker)]
+        open_backend = None if self.transfer == "nixl" else self._open_inprocess_backend
+        runtimes = [await asyncio.to_thread(RankRuntime, rank, open_backend) for rank in rank_configs(worker)]
         ranks = [InProcessRank(runtime) for runtime in runtimes]
         info, ready_s = await describe_worker(worker, ranks, started)
         app = build_worker_app(worker, RankSet(ranks, stuck_after_s=worker.stuck_step_timeout_s), info,
                                handoff_guard(worker), DrainGate(), ready_s)
-        served = await self._serve(name, worker.url, app, SlowClientLimits(worker.request_read_timeout_s))
+        served = await self._serve(name, worker.url, app, SlowClientLimits(worker.request_read_timeout_s), sock)
         served.ranks = ranks
         return served
 
-    async def _start_router(self, flags: list[str]) -> ServedApp:
+    def _open_inprocess_backend(self, name: str, kv: torch.Tensor, on_notification: OnNotification) -> InProcessBackend:
+        return InProcessBackend(name, kv, on_notification, self._fabric)
+
+    async def _start_router(self, sock: socket.socket) -> ServedApp:
         from pdserve_router.app import build_router_app
         from pdserve_router.config import add_router_arguments, router_config_from_args
 
         parser = argparse.ArgumentParser()
         add_router_arguments(parser)
-        config = dataclasses.replace(router_config_from_args(parser.parse_args(flags)),
-                                     internal_token=self.internal_token)
+        port = sock.getsockname()[1]
+        args = parser.parse_args(router_flags(self.cfg, [w.url for w in self.workers], port))
+        config = dataclasses.replace(router_config_from_args(args), internal_token=self.internal_token)
         limits = SlowClientLimits(config.request_read_timeout_s, config.send_stall_timeout_s)
-        return await self._serve("router", f"http://127.0.0.1:{config.port}", build_router_app(config), limits)
+        return await self._serve("router", f"http://127.0.0.1:{port}", build_router_app(config), limits, sock)
 
     @staticmethod
-    async def _serve(name: str, url: str, app: Any, limits: SlowClientLimits) -> ServedApp:
-        host, port = url.removeprefix("http://").rsplit(":", 1)
+    async def _serve(name: str, url: str, app: Any, limits: SlowClientLimits, sock: socket.socket) -> ServedApp:
         # log_config None: uvicorn leaves this process's logging alone, and its errors reach the root logger.
-        server = uvicorn.Server(uvicorn.Config(app, host=host, port=int(port), log_level="warning", log_config=None,
-                                               http=bounded_h11(limits)))
-        served = ServedApp(name, url, server, asyncio.create_task(server.serve(), name=name))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", log_config=None, http=bounded_h11(limits)))
+        served = ServedApp(name, url, server, asyncio.create_task(server.serve(sockets=[sock]), name=name))
         while not server.started:
             if served.task.done():  # it could not bind, or its startup failed
                 raise RuntimeError(f"{name} did not start: {served.task.exception()!r}")

@@ -43,14 +43,25 @@ class WorkerSlot:
         return f"http://127.0.0.1:{self.port}"
 
 
-def worker_slots(cfg: ClusterConfig) -> list[WorkerSlot]:
+def worker_slots(cfg: ClusterConfig, ports: list[int] | None = None) -> list[WorkerSlot]:
+    """`ports`: one per worker, already held by the caller (default: free ones now, which another socket of this
+    machine may take before the worker binds it)."""
     roles = ["prefill"] * cfg.num_prefill + ["decode"] * cfg.num_decode + ["both"] * cfg.num_both
+    ports = ports or [free_port() for _ in roles]
     counts: dict[str, int] = {}
     slots = []
-    for role in roles:
+    for role, port in zip(roles, ports, strict=True):
         counts[role] = counts.get(role, -1) + 1
-        slots.append(WorkerSlot(f"{role}-{counts[role]}", role, free_port()))
+        slots.append(WorkerSlot(f"{role}-{counts[role]}", role, port))
     return slots
+
+
+def listening_socket(port: int = 0) -> socket.socket:
+    """A socket bound on 127.0.0.1 (`port` 0: any free port), held from now on so nothing else can take the port."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    return sock
 
 
 def worker_flags(cfg: ClusterConfig, slot: WorkerSlot, slots: list[WorkerSlot]) -> list[str]:

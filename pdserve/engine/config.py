@@ -28,6 +28,13 @@ class EngineConfig:
     load_format: Literal["safetensors", "random"] = setting("safetensors", "random: the config's shape with random "
                                                                            "weights (benchmarks; no checkpoint needed)")
     seed: int = setting(0, "seed of random weights and of unseeded sampling")
+    execution: Literal["model", "simulated"] = setting(
+        "model", "simulated: no model; each step sleeps what --profile predicts and draws random tokens (real "
+                 "scheduler, pages, prefix cache and KV events; docs/simulation.md)", flag="--engine")
+    profile: str = setting("", "simulated engine: step-time profile JSON (default: DeepSeek-V2-Lite on one H100)")
+    time_scale: float = setting(1.0, "simulated engine: sleep this multiple of each predicted step (above 1 when "
+                                     "many ranks share few cores: every figure then scales by it)",
+                                flag="--sim-time-scale")
     progress: bool = True  # progress bars while loading (off in workers, whose output is logs)
 
     def __post_init__(self) -> None:
@@ -41,6 +48,8 @@ class EngineConfig:
             (self.attention_backend in ("auto", "torch", "flashinfer"), "attention_backend: auto, torch or flashinfer"),
             (self.moe_backend in ("auto", "torch", "grouped"), "moe_backend: auto, torch or grouped"),
             (self.load_format in ("safetensors", "random"), "load_format: safetensors or random"),
+            (self.execution in ("model", "simulated"), "execution: model or simulated"),
+            (self.time_scale > 0, "time_scale must be > 0"),
         ]
         for ok, message in checks:
             if not ok:

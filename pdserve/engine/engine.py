@@ -16,7 +16,9 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import SampleResult, sample
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.simulated import DEFAULT_PROFILE, SimulatedRunner, StepProfile
 from pdserve.model.config import ModelConfig
+from pdserve.model.deepseek import DeepseekForCausalLM
 from pdserve.model.loader import build_model, load_model
 from pdserve.model.random_init import init_random_weights
 from pdserve.ops.moe import ExpertRange, MoEBackend
@@ -89,18 +91,24 @@ class Engine:
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.model_config = ModelConfig.from_dir(cfg.model)
         self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
-        backends = select_backends(cfg.attention_backend, cfg.moe_backend, self.device, self.dtype)
-        if wrap_moe is not None:
-            backends = replace(backends, moe=wrap_moe(backends.moe))
-        if cfg.load_format == "random":
-            model = init_random_weights(build_model(self.model_config, backends, self.device, self.dtype, experts), cfg.seed)
+        if cfg.execution == "simulated":
+            if wrap_moe is not None:
+                raise ValueError("a simulated engine has no experts to place: expert parallelism needs the model")
+            profile = StepProfile.load(cfg.profile or DEFAULT_PROFILE)
+            num_pages = cfg.num_pages or max(2, profile.kv_pool_tokens // cfg.page_size)
+            self.runner: ModelRunner | SimulatedRunner = SimulatedRunner(
+                profile, self.model_config.vocab_size, num_pages, cfg.page_size, cfg.time_scale, cfg.seed)
+            self.expert_weight_bytes, described = 0, f"simulated ({profile.name})"
         else:
-            model = load_model(cfg.model, self.model_config, backends, self.device, self.dtype, experts, cfg.progress)
-        num_pages = cfg.num_pages or self._pages_that_fit()
-        # Expert parallelism exchanges variable-sized batches between ranks: not capturable in a graph.
-        use_graphs = cfg.cuda_graphs and wrap_moe is None
-        graphs = decode_graph_config(use_graphs, model, cfg.max_num_seqs, self.max_model_len, cfg.page_size)
-        self.runner = ModelRunner(model, num_pages, cfg.page_size, self.device, self.dtype, graphs)
+            model = self._build_model(cfg, experts, wrap_moe)
+            num_pages = cfg.num_pages or self._pages_that_fit()
+            # Expert parallelism exchanges variable-sized batches between ranks: not capturable in a graph.
+            use_graphs = cfg.cuda_graphs and wrap_moe is None
+            graphs = decode_graph_config(use_graphs, model, cfg.max_num_seqs, self.max_model_len, cfg.page_size)
+            self.runner = ModelRunner(model, num_pages, cfg.page_size, self.device, self.dtype, graphs)
+            self.expert_weight_bytes = model.routed_expert_bytes()
+            described = (f"routed experts [{model.expert_range.first}, +{model.expert_range.count}): "
+                         f"{self.expert_weight_bytes} bytes")
         self.allocator = PageAllocator(num_pages)
         self.prefix_cache = (RadixCache(self.allocator, cfg.page_size, on_kv_events) if cfg.enable_prefix_cache
                              else NullPrefixCache(self.allocator))
@@ -118,9 +126,18 @@ class Engine:
         self._seed_source = torch.Generator().manual_seed(cfg.seed)
         self._prefix_queries_tokens = self._prefix_hits_tokens = 0
         self._prompt_tokens = self._generation_tokens = 0
-        log.info("engine ready: %s pages of %s tokens on %s (%s); routed experts [%s, +%s): %s bytes", num_pages,
-                 cfg.page_size, self.device, self.dtype, model.expert_range.first, model.expert_range.count,
-                 model.routed_expert_bytes())
+        log.info("engine ready: %s pages of %s tokens on %s (%s); %s", num_pages, cfg.page_size, self.device,
+                 self.dtype, described)
+
+    def _build_model(self, cfg: EngineConfig, experts: ExpertRange | None,
+                     wrap_moe: Callable[[MoEBackend], MoEBackend] | None) -> DeepseekForCausalLM:
+        backends = select_backends(cfg.attention_backend, cfg.moe_backend, self.device, self.dtype)
+        if wrap_moe is not None:
+            backends = replace(backends, moe=wrap_moe(backends.moe))
+        if cfg.load_format == "random":
+            return init_random_weights(build_model(self.model_config, backends, self.device, self.dtype, experts),
+                                       cfg.seed)
+        return load_model(cfg.model, self.model_config, backends, self.device, self.dtype, experts, cfg.progress)
 
     def _pages_that_fit(self) -> int:
         mc = self.model_config
@@ -228,7 +245,7 @@ class Engine:
             prefix_hits_tokens=self._prefix_hits_tokens,
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
-            expert_weight_bytes=self.runner.model.routed_expert_bytes(),
+            expert_weight_bytes=self.expert_weight_bytes,
         )
 
     # --- the step -------------------------------------------------------------------------------------------

@@ -36,7 +36,6 @@ log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 10.0
 HEALTH_INTERVAL_S = 1.0
 LOAD_TIMEOUT_S = 5.0  # the actor answers load from its snapshot: only a dead or restarting rank takes this long
-KV_EVENT_POLL_S = 0.05
 Rank = RankHandle | InProcessRank  # a rank actor, or a rank in this process (the in-process cluster)
 
 
@@ -187,11 +186,9 @@ def build_worker_app(cfg: WorkerConfig, ranks: RankSet, info: WorkerInfo, guard:
                     batches = await handle.kv_events_after(seq, CALL_TIMEOUT_S)
                 except Exception:  # noqa: BLE001 - the rank is gone: end the stream, the router resubscribes
                     return
-                for batch in batches:
+                for batch in batches:  # none: the rank's long poll ran out; ask again
                     seq = batch.seq
                     yield msgspec.json.encode(batch) + b"\n"
-                if not batches:
-                    await asyncio.sleep(KV_EVENT_POLL_S)
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 

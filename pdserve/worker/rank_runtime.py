@@ -11,6 +11,7 @@ health come from the snapshot that thread publishes, never waiting on it.
 """
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -34,13 +35,16 @@ from pdserve.disagg.sender import Sender
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine, EngineStats, NoCapacityError, RequestOutput
 from pdserve.engine.lockstep import Lockstep
+from pdserve.engine.simulated import SimulatedRunner
 from pdserve.http.internal_auth import bearer_headers
 from pdserve.model.config import ModelConfig
 from pdserve.ops.moe import ExpertRange
 from pdserve.ops.moe_ep import ExpertParallelMoE, expert_owner_range
 from pdserve.transfer.backend import OnNotification, TransferBackend, open_nixl_backend
 from pdserve.transfer.errors import TransferError
+from pdserve.transfer.simulated_link import SimulatedLink
 from pdserve.wire.client import WorkerClient
+from pdserve.wire.kv_events import KVEvent
 from pdserve.wire.protocol import (
     GenerateRequest,
     KVEventBatch,
@@ -57,6 +61,7 @@ from pdserve.worker.step_loop import StepLoop
 from pdserve.worker.warm_up import warm_up
 
 log = logging.getLogger(__name__)
+KV_EVENT_WAIT_S = 1.0  # a KV-event subscriber's long poll; well inside the worker edge's call timeout
 
 OpenBackend = Callable[[str, torch.Tensor, OnNotification], TransferBackend]
 
@@ -125,11 +130,13 @@ class RankRuntime:
         """`open_backend`, `prefill_link`: the transport and the way to prefill workers (default NIXL and HTTP)."""
         self.cfg = cfg
         self.kv_events = KVEventLog(cfg.rank)
+        self._kv_event_arrival = asyncio.Event()  # set on the loop after each record, then replaced
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.lockstep: Lockstep | None = None
         if cfg.expert_parallel:
             self.engine, self.lockstep = self._expert_parallel_engine(cfg)
         else:
-            self.engine = Engine(cfg.engine, on_kv_events=self.kv_events.record)
+            self.engine = Engine(cfg.engine, on_kv_events=self._record_kv_events)
         name = f"{cfg.role}-r{cfg.rank}-{uuid.uuid4().hex[:12]}"  # new per start: peers re-learn a restarted rank
         kv = self.engine.runner.kv_cache
         if open_backend is None:
@@ -139,6 +146,9 @@ class RankRuntime:
             self.backend = open_nixl_backend(name, kv, self._on_notification, progress_thread)
         else:
             self.backend = open_backend(name, kv, self._on_notification)
+        runner = self.engine.runner
+        if isinstance(runner, SimulatedRunner):
+            self.backend = SimulatedLink(self.backend, runner.bytes_per_page, runner.seconds_per_page_written)
         self.counters = HandoffCounters()
         self._http = httpx.AsyncClient(headers=bearer_headers(cfg.internal_token))
         port = _EnginePort(self)
@@ -148,7 +158,6 @@ class RankRuntime:
             self.backend, port,
             prefill_link or (lambda source: WorkerClient(source.url, self._http)), self.counters)
         self._streams: dict[str, asyncio.Queue[TokenEvent]] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
         self.steps = StepLoop(self.engine, cfg.rank, self.lockstep, self._route_output, self._fail_everything)
         self._warm_up_task: asyncio.Future | None = None
         self.warmup_s = 0.0
@@ -157,7 +166,7 @@ class RankRuntime:
         """This rank's experts and the exchange over the default process group (the actor has joined it)."""
         num_experts = ModelConfig.from_dir(cfg.engine.model).n_routed_experts
         experts = ExpertRange(*expert_owner_range(dist.get_rank(), dist.get_world_size(), num_experts))
-        engine = Engine(cfg.engine, experts, self.kv_events.record,
+        engine = Engine(cfg.engine, experts, self._record_kv_events,
                         wrap_moe=lambda local: ExpertParallelMoE(None, num_experts, local))
         log.info("rank %s of %s: routed experts [%s, %s), %.1f MiB of expert weights", cfg.rank, cfg.world_size,
                  experts.first, experts.first + experts.count, engine.runner.model.routed_expert_bytes() / 2**20)
@@ -271,7 +280,26 @@ class RankRuntime:
             return self._error(request_id, str(error))
 
     async def kv_events_after(self, after: int) -> list[KVEventBatch]:
-        return await self.steps.call(lambda: self.kv_events.after(after, self.engine.prefix_cache.stored_blocks))
+        """Batches after `after`, waiting up to KV_EVENT_WAIT_S for one when there is none yet (a subscriber's long
+        poll: no round trip to the step thread unless a full dump is due)."""
+        batches = self.kv_events.newer_than(after)
+        if batches is None:
+            return await self.steps.call(lambda: self.kv_events.after(after, self.engine.prefix_cache.stored_blocks))
+        if not batches:
+            arrival = self._kv_event_arrival
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(arrival.wait(), KV_EVENT_WAIT_S)
+            batches = self.kv_events.newer_than(after) or []
+        return batches
+
+    def _record_kv_events(self, events: list[KVEvent]) -> None:
+        self.kv_events.record(events)  # on the step thread
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._wake_kv_subscribers)
+
+    def _wake_kv_subscribers(self) -> None:
+        self._kv_event_arrival.set()
+        self._kv_event_arrival = asyncio.Event()  # later waiters wait for the next record
 
     async def _warm_up(self) -> None:
         started = time.monotonic()

@@ -18,7 +18,10 @@ from pdserve.engine.lockstep import Lockstep
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 SNAPSHOT_INTERVAL_S = 0.01  # engine figures are refreshed at most this often (reading them costs ~0.1 ms)
-IDLE_WAIT_S = 0.005  # an idle loop waits this long for a closure before it turns again
+IDLE_WAIT_S = 0.005  # an idle expert-parallel rank waits this long for a closure before it turns again (its peers'
+# steps need it in their collectives)
+IDLE_BLOCK_S = 0.5  # any other idle loop sleeps until a closure comes (all new work does), turning at least this
+# often so that its snapshot shows it alive; hundreds of ranks in one process must not wake 200 times a second
 JOIN_TIMEOUT_S = 5.0
 
 
@@ -43,6 +46,7 @@ class StepLoop:
         self.test_step_delay_s = 0.0  # test hook: each step first sleeps this long (a slow kernel)
         self._rank = rank
         self._lockstep = lockstep
+        self._idle_wait_s = IDLE_WAIT_S if lockstep is not None else IDLE_BLOCK_S
         self._route = route
         self._fail_all = fail_all
         self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.Queue()
@@ -60,6 +64,7 @@ class StepLoop:
 
     def stop(self) -> None:
         self._stop.set()
+        self._commands.put((lambda: None, concurrent.futures.Future()))  # wakes an idle loop to see it
         if self._thread is not None:
             self._thread.join(timeout=JOIN_TIMEOUT_S)
 
@@ -120,7 +125,7 @@ class StepLoop:
 
     def _run_commands(self, block: bool) -> None:
         try:
-            fn, future = self._commands.get(timeout=IDLE_WAIT_S if block else 0)
+            fn, future = self._commands.get(timeout=self._idle_wait_s if block else 0)
         except queue.Empty:
             return
         while True:

@@ -1,0 +1,100 @@
+"""A simulated model runner: the engine keeps its real scheduler, page pool, radix cache and KV events, but a step
+computes nothing. It sleeps the time a measured step profile predicts for what was scheduled, and its logits are
+random (tokens are drawn from the model's vocabulary). Many simulated ranks fit in one process, which is how routing
+and pool sizing are studied at cluster scale on a CPU (docs/simulation.md).
+
+Use it with a small model directory (the tiny model: its vocabulary and tokenizer) and a profile of the model whose
+timing is simulated; the profile also sizes the KV pool as that model's GPU pool would be."""
+
+import json
+import time
+from bisect import bisect_right
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdserve.engine.scheduler import ScheduledSeq
+
+PROFILES = Path(__file__).parent / "profiles"
+DEFAULT_PROFILE = PROFILES / "v2-lite-h100.json"
+
+
+def interpolate(x: float, xs: list[float], ys: list[float]) -> float:
+    """Piecewise linear through (xs, ys), extended linearly past both ends, never below 0."""
+    if len(xs) == 1:
+        return ys[0]
+    i = min(max(bisect_right(xs, x) - 1, 0), len(xs) - 2)
+    slope = (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i])
+    return max(0.0, ys[i] + slope * (x - xs[i]))
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """Measured step times of one model on one GPU: decode steps by batch and context, prefill by tokens."""
+
+    name: str
+    decode_batches: list[int]
+    decode_contexts: list[int]
+    decode_ms: list[list[float]]  # [batch][context]
+    prefill_tokens: list[int]
+    prefill_ms: list[float]
+    kv_bytes_per_token: int
+    kv_pool_tokens: int
+    kv_write_gb_per_s: float  # one prefill -> decode KV write, alone on the link
+
+    @classmethod
+    def load(cls, path: str | Path) -> "StepProfile":
+        raw = json.loads(Path(path).read_text())
+        decode, prefill = raw["decode_ms"], raw["prefill_ms"]
+        profile = cls(raw["name"], decode["batches"], decode["contexts"], decode["ms"], prefill["tokens"],
+                      prefill["ms"], raw["kv_bytes_per_token"], raw["kv_pool_tokens"], raw["kv_write_gb_per_s"])
+        rows = len(profile.decode_ms) == len(profile.decode_batches)
+        if not rows or any(len(row) != len(profile.decode_contexts) for row in profile.decode_ms):
+            raise ValueError(f"{path}: decode_ms must be one row per batch, one column per context")
+        if len(profile.prefill_ms) != len(profile.prefill_tokens):
+            raise ValueError(f"{path}: prefill_ms must have one time per token count")
+        return profile
+
+    def decode_step_ms(self, batch: int, mean_context: float) -> float:
+        per_batch = [interpolate(mean_context, self.decode_contexts, row) for row in self.decode_ms]
+        return interpolate(batch, self.decode_batches, per_batch)
+
+    def prefill_step_ms(self, tokens: int) -> float:
+        return interpolate(tokens, self.prefill_tokens, self.prefill_ms)
+
+    def step_ms(self, scheduled: list[ScheduledSeq]) -> float:
+        """Decodes and prefill chunks of one step share its weight reads: a mixed step costs the decode batch plus
+        what the prefill tokens add over a one-token step."""
+        decodes = [s for s in scheduled if s.num_new_tokens == 1 and s.request.output_token_ids]
+        prefill_tokens = sum(s.num_new_tokens for s in scheduled) - len(decodes)
+        if not decodes:
+            return self.prefill_step_ms(prefill_tokens) if prefill_tokens else 0.0
+        mean_context = sum(s.request.num_computed_tokens + 1 for s in decodes) / len(decodes)
+        extra = self.prefill_step_ms(prefill_tokens) - self.prefill_step_ms(1) if prefill_tokens else 0.0
+        return self.decode_step_ms(len(decodes), mean_context) + max(0.0, extra)
+
+
+class SimulatedRunner:
+    """The ModelRunner's part the engine uses: a KV tensor (one byte per token: pages move between pools as real
+    bytes, and pdserve/transfer/simulated_link.py makes a write take the simulated model's time) and `execute`."""
+
+    def __init__(self, profile: StepProfile, vocab_size: int, num_pages: int, page_size: int, time_scale: float,
+                 seed: int):
+        self.profile = profile
+        self.vocab_size = vocab_size
+        self.page_size = page_size
+        self.time_scale = time_scale
+        self.kv_cache = torch.zeros(1, num_pages, page_size, 1, dtype=torch.uint8)
+        # What one page of the simulated model's KV is, and takes to write to a decode pool (scaled).
+        self.bytes_per_page = profile.kv_bytes_per_token * page_size
+        self.seconds_per_page_written = self.bytes_per_page / (profile.kv_write_gb_per_s * 1e9) * time_scale
+        self.simulated_s = 0.0  # step time slept so far, before scaling
+        self._generator = torch.Generator().manual_seed(seed)
+
+    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        seconds = self.profile.step_ms(scheduled) / 1000
+        self.simulated_s += seconds
+        time.sleep(seconds * self.time_scale)
+        rows = sum(1 for seq in scheduled if seq.samples)
+        return torch.randn(rows, self.vocab_size, generator=self._generator)
