@@ -8,13 +8,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import httpx
 
+from pdserve.discovery.endpoints import Discovery
 from pdserve.wire.client import WorkerClient, WorkerUnavailable
 from pdserve.wire.protocol import RankLoad, WorkerHealth, WorkerInfo
-from pdserve.discovery.endpoints import Discovery
 from pdserve_router.metrics import RouterMetrics
 from pdserve_router.prefix_index import PrefixIndex, RankKey
 
@@ -34,7 +34,6 @@ class WorkerState:
     consecutive_failures: int = 0
     failing_since_s: float = 0.0  # monotonic time of the first failure of the current streak
     rank_loads: dict[int, RankLoad] = field(default_factory=dict)
-    assigned_since_poll: dict[int, int] = field(default_factory=dict)  # counted as waiting until the next poll
     kv_tasks: list[asyncio.Task] = field(default_factory=list)
 
     @property
@@ -92,15 +91,8 @@ class WorkerPool:
         return worker.info.role if worker and worker.info else None
 
     def loads(self) -> dict[RankKey, RankLoad]:
-        """Polled loads with the router's assignments since the poll added to `waiting`."""
-        snapshot = {}
-        for worker in self.workers.values():
-            for rank, load in worker.rank_loads.items():
-                extra = worker.assigned_since_poll.get(rank, 0)
-                snapshot[(worker.url, rank)] = RankLoad(
-                    rank, load.running, load.waiting + extra, load.free_pages, load.total_pages, load.prefix_cache_pages
-                )
-        return snapshot
+        """Polled loads with the router's assignments since the poll added to `waiting` (by `note_assignment`)."""
+        return {(worker.url, rank): load for worker in self.workers.values() for rank, load in worker.rank_loads.items()}
 
     def max_model_len(self) -> int | None:
         lengths = [w.info.max_model_len for w in self.workers.values() if w.routable]
@@ -111,8 +103,9 @@ class WorkerPool:
 
     def note_assignment(self, key: RankKey) -> None:
         worker = self.workers.get(key[0])
-        if worker is not None:
-            worker.assigned_since_poll[key[1]] = worker.assigned_since_poll.get(key[1], 0) + 1
+        load = worker.rank_loads.get(key[1]) if worker is not None else None
+        if load is not None:  # counted as waiting until the next poll replaces it
+            worker.rank_loads[key[1]] = replace(load, waiting=load.waiting + 1)
 
     def report_failure(self, url: str) -> None:
         """A request could not reach the worker: route around it until its next health check decides. Only health
@@ -157,7 +150,6 @@ class WorkerPool:
             self._fail(worker, str(error), timed_out=False)
             return
         worker.rank_loads = {load.rank: load for load in load_report.ranks}
-        worker.assigned_since_poll = {}
         worker.consecutive_failures = 0
         worker.suspect = False
         if not worker.admitted:

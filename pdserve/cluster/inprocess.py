@@ -89,11 +89,12 @@ class InProcessCluster(StartedCluster):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="inprocess-cluster", daemon=True)
         self._thread.start()
-        self._run(self._start_parts(), self.cfg.start_timeout_s)
+        self.run(self._start_parts(), self.cfg.start_timeout_s)
         wait_routable(self.url, len(self.workers), deadline)
         return self
 
-    def _run(self, coroutine: Coroutine[Any, Any, T], timeout_s: float) -> T:
+    def run(self, coroutine: Coroutine[Any, Any, T], timeout_s: float) -> T:
+        """Run `coroutine` on the cluster's loop (where every part's state may be read safely) and return its result."""
         assert self._loop is not None
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout_s)
 
@@ -110,8 +111,8 @@ class InProcessCluster(StartedCluster):
         """A new router on the same port, knowing nothing of the old one's state (as after its process restarted)."""
         assert self.router is not None
         port = int(self.router.url.rsplit(":", 1)[1])
-        self._run(self._stop_served([self.router]), STOP_TIMEOUT_S + 1)
-        self.router = self._run(self._start_router(listening_socket(port)), self.cfg.start_timeout_s)
+        self.run(self._stop_served([self.router]), STOP_TIMEOUT_S + 1)
+        self.router = self.run(self._start_router(listening_socket(port)), self.cfg.start_timeout_s)
         wait_routable(self.url, len(self.workers), time.monotonic() + self.cfg.start_timeout_s)
 
     async def _start_worker(self, name: str, flags: list[str], sock: socket.socket) -> ServedApp:
@@ -163,7 +164,7 @@ class InProcessCluster(StartedCluster):
         if self._loop is None:
             return
         try:
-            self._run(self._stop_parts(), STOP_TIMEOUT_S)
+            self.run(self._stop_parts(), STOP_TIMEOUT_S)
         finally:
             for worker in self.workers:
                 for rank in worker.ranks:
