@@ -108,7 +108,8 @@ class StepLoop:
     def _turned(self) -> None:
         now = time.monotonic()
         stats = self.snapshot.engine
-        if now - self._stats_published_s >= SNAPSHOT_INTERVAL_S:
+        # About to idle (and perhaps sleep until a closure comes): publish what the last steps did now.
+        if now - self._stats_published_s >= SNAPSHOT_INTERVAL_S or not self.engine.has_work():
             stats, self._stats_published_s = self.engine.stats(), now
         self.snapshot = RankSnapshot(stats, self._steps_completed, now)
 
