@@ -217,8 +217,17 @@ class ResponseBuilder:
         return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
 
 
+# Characters JSON may carry raw that str.splitlines (and so httpx's aiter_lines, which many SSE clients read with)
+# takes for line ends: a token's text holding one would cut its event in two. Escaped, they are the same JSON string.
+_LINE_BREAKING = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
 def sse(body: dict[str, Any]) -> bytes:
-    return b"data: " + msgspec.json.encode(body) + b"\n\n"
+    data = msgspec.json.encode(body)
+    for raw, escaped in _LINE_BREAKING:
+        if raw in data:
+            data = data.replace(raw, escaped)
+    return b"data: " + data + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"

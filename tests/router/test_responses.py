@@ -6,7 +6,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from pdserve.wire.protocol import TokenEvent
-from pdserve_router.responses import ChoiceOutput, ResponseBuilder, ResponseOptions, usage
+from pdserve_router.responses import ChoiceOutput, ResponseBuilder, ResponseOptions, sse, usage
 
 
 def builder(tokenizer, kind, logprobs=False, token_ids=False, **options) -> ResponseBuilder:
@@ -108,3 +108,13 @@ def test_streamed_tool_call_deltas_add_up_to_the_whole_calls(tiny_model_dir):
     assert content == "Sure." and finish == "tool_calls"
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", '{"city":"Paris"}'), ("get_time", "{}")]
     assert all(c["id"] for c in calls.values())
+
+
+def test_an_sse_event_is_one_line_whatever_its_text_holds():
+    """U+0085, U+2028 and U+2029 end a line for str.splitlines and httpx's aiter_lines: escaped, the event stays one
+    line and decodes to the same text."""
+    text = "a\u2028b\u2029c\x85d\ne"
+    event = sse({"choices": [{"text": text}]})
+    lines = event.decode().splitlines()
+    assert lines == [lines[0], ""] and lines[0].startswith("data: ")
+    assert json.loads(lines[0][len("data: "):])["choices"][0]["text"] == text
