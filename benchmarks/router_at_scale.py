@@ -12,10 +12,10 @@ queue on the GIL.
 """
 
 import argparse
-import re
 import time
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.bench.client import RunLimits
 from pdserve.bench.report import SLO
@@ -31,9 +31,11 @@ DECISION = "pdserve_router_routing_decision_seconds"
 def histogram_buckets(metrics_text: str, name: str) -> list[tuple[float, float]]:
     """(upper bound, cumulative count) of one histogram, summed over its label sets."""
     counts: dict[float, float] = {}
-    for match in re.finditer(rf'^{name}_bucket{{[^}}]*le="([^"]+)"[^}}]*}} (\S+)$', metrics_text, re.MULTILINE):
-        bound = float("inf") if match.group(1) == "+Inf" else float(match.group(1))
-        counts[bound] = counts.get(bound, 0.0) + float(match.group(2))
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == f"{name}_bucket":
+                bound = float(sample.labels["le"])
+                counts[bound] = counts.get(bound, 0.0) + sample.value
     return sorted(counts.items())
 
 

@@ -12,8 +12,6 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-import os
-import secrets
 import socket
 import threading
 import time
@@ -27,13 +25,13 @@ import uvicorn
 from pdserve.cluster.layout import (
     ClusterConfig,
     StartedCluster,
+    cluster_credential,
     listening_socket,
     router_flags,
     wait_routable,
     worker_flags,
     worker_slots,
 )
-from pdserve.http.internal_auth import TOKEN_ENV
 from pdserve.http.slow_clients import SlowClientLimits, bounded_h11
 from pdserve.transfer.backend import OnNotification
 from pdserve.transfer.inprocess import InProcessBackend, InProcessFabric
@@ -69,9 +67,8 @@ class InProcessCluster(StartedCluster):
     cfg: ClusterConfig
     workers: list[ServedApp] = field(default_factory=list)
     router: ServedApp | None = None
-    # As in local.py: the cluster's internal-API credential, $PDSERVE_INTERNAL_TOKEN when set.
-    internal_token: str = field(default_factory=lambda: os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32),
-                                repr=False)
+    # The cluster's internal-API credential (layout.cluster_credential), set on every part's config.
+    internal_token: str = field(default_factory=cluster_credential, repr=False)
     # KV between pools: NIXL (UCX), as between processes; or in-process copies (pdserve/transfer/inprocess.py), which
     # keep no thread polling per rank: for hundreds of ranks in one process.
     transfer: Literal["nixl", "inprocess"] = "nixl"

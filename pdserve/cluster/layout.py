@@ -2,12 +2,22 @@
 inprocess.py): its configuration, its workers' names, roles and ports, the flags each part starts with, and when the
 router can route to every worker."""
 
+import os
+import secrets
 import socket
 import time
 from dataclasses import dataclass
 from typing import TypeVar
 
 import httpx
+
+from pdserve.http.internal_auth import TOKEN_ENV
+
+
+def cluster_credential() -> str:
+    """The internal-API credential a cluster hands its parts: $PDSERVE_INTERNAL_TOKEN when set (so a caller that set
+    it can reach the workers too), else a fresh one."""
+    return os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32)
 
 
 def free_port() -> int:

@@ -3,7 +3,6 @@ router, each a real process on 127.0.0.1. Used by `pdserve up`, the tests and th
 
 import logging
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import ray
 from pdserve.cluster.layout import (
     ClusterConfig,
     StartedCluster,
+    cluster_credential,
     free_port,
     router_flags,
     wait_routable,
@@ -43,10 +43,9 @@ class LocalCluster(StartedCluster):
     workers: list[ProcessInfo] = field(default_factory=list)
     router: ProcessInfo | None = None
     ray_address: str = ""
-    # The cluster's internal-API credential, handed to its processes through the environment (never on a command
-    # line). Taken from $PDSERVE_INTERNAL_TOKEN when set, so a caller that set it can reach the workers too.
-    internal_token: str = field(default_factory=lambda: os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32),
-                                repr=False)
+    # The cluster's internal-API credential (layout.cluster_credential), handed to its processes through the
+    # environment, never on a command line.
+    internal_token: str = field(default_factory=cluster_credential, repr=False)
     _log_dir: Path | None = None
     _owns_ray: bool = False
 

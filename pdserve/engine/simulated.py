@@ -16,8 +16,7 @@ import torch
 
 from pdserve.engine.scheduler import ScheduledSeq
 
-PROFILES = Path(__file__).parent / "profiles"
-DEFAULT_PROFILE = PROFILES / "v2-lite-h100.json"
+DEFAULT_PROFILE = Path(__file__).parent / "profiles" / "v2-lite-h100.json"
 
 
 def interpolate(x: float, xs: list[float], ys: list[float]) -> float:
