@@ -1,7 +1,8 @@
 """The router in front of many ranks: simulated prefill and decode workers (pdserve/engine/simulated.py: real
 scheduler, pages, prefix cache and KV events; steps sleep what the DeepSeek-V2-Lite H100 profile predicts) in one
 in-process cluster, a shared-prefix workload through the real router. Reports how long the router takes to choose
-ranks, how much of the best possible prefix reuse its choices get, and what the whole path adds.
+ranks, how much of the best possible prefix reuse its choices get, what the whole path adds, how many KV events its
+prefix index ingests, and how many bytes that index holds per cached page.
 
     python benchmarks/router_at_scale.py [--prefill-workers 32] [--decode-workers 32] [--ranks 4] [--requests 512]
 
@@ -12,10 +13,14 @@ queue on the GIL.
 """
 
 import argparse
+import contextlib
+import gc
+import statistics
 import time
+import tracemalloc
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+import msgspec
 
 from pdserve.bench.client import RunLimits
 from pdserve.bench.report import SLO
@@ -24,32 +29,13 @@ from pdserve.bench.workload import LengthRange, WorkloadConfig, best_prefix_hit_
 from pdserve.cli.generate import default_model_dir
 from pdserve.cluster.inprocess import InProcessCluster
 from pdserve.cluster.layout import ClusterConfig
+from pdserve.planner.traffic import histogram_buckets, histogram_quantile, metric_sums
+from pdserve.wire.kv_events import KVEvent
+from pdserve.wire.protocol import KVEventBatch
+from pdserve_router.prefix_index import PrefixIndex, RankKey
 
 DECISION = "pdserve_router_routing_decision_seconds"
-
-
-def histogram_buckets(metrics_text: str, name: str) -> list[tuple[float, float]]:
-    """(upper bound, cumulative count) of one histogram, summed over its label sets."""
-    counts: dict[float, float] = {}
-    for family in text_string_to_metric_families(metrics_text):
-        for sample in family.samples:
-            if sample.name == f"{name}_bucket":
-                bound = float(sample.labels["le"])
-                counts[bound] = counts.get(bound, 0.0) + sample.value
-    return sorted(counts.items())
-
-
-def histogram_quantile(buckets: list[tuple[float, float]], q: float) -> float:
-    """As Prometheus's histogram_quantile: linear within the bucket that holds the q-th observation."""
-    total = buckets[-1][1]
-    rank, lower, below = q * total, 0.0, 0.0
-    for bound, cumulative in buckets:
-        if cumulative >= rank:
-            if bound == float("inf"):
-                return lower
-            return lower + (bound - lower) * (rank - below) / max(cumulative - below, 1e-12)
-        lower, below = bound, cumulative
-    return lower
+KV_EVENTS = "pdserve_router_kv_events_total"
 
 
 async def choices_alone(cluster: InProcessCluster, workload: WorkloadConfig) -> list[float]:
@@ -62,6 +48,59 @@ async def choices_alone(cluster: InProcessCluster, workload: WorkloadConfig) -> 
         dispatcher.choose(list(request.prompt_token_ids), set())
         times_ms.append((time.perf_counter() - started) * 1e3)
     return sorted(times_ms)
+
+
+async def full_dumps(cluster: InProcessCluster) -> list[tuple[RankKey, bytes]]:
+    """Every prefill rank's full KV-event dump, asked for as a restarted router does (after=-1), encoded back to the
+    JSON line the worker sent, so that decoding it counts with the index it builds."""
+    pool = cluster.router.server.config.app.state.parts.pool
+    dumps = []
+    for url, rank in pool.ranks_with_role(("prefill",)):
+        batches = pool.client(url).kv_events(rank, -1)
+        async with contextlib.aclosing(batches):
+            dumps.append(((url, rank), msgspec.json.encode(await anext(batches))))
+    return dumps
+
+
+def build_index(dumps: list[tuple[RankKey, bytes]], page_size: int) -> PrefixIndex:
+    """A router's index after a restart: every rank added, its dump decoded (as the worker client does) and applied."""
+    decoder = msgspec.json.Decoder(KVEventBatch)
+    index = PrefixIndex()
+    for key, line in dumps:
+        index.add_rank(key, page_size)
+        index.apply(key, decoder.decode(line))
+    return index
+
+
+def held_bytes(dumps: list[tuple[RankKey, bytes]], page_size: int) -> tuple[PrefixIndex, int]:
+    """The index built from `dumps` and the bytes it holds: what tracemalloc saw allocated while building it and not
+    freed (the decoded events are freed; the page hashes the index keeps and its sets' tables are not). Run with no
+    other thread allocating."""
+    gc.collect()
+    tracemalloc.start()
+    index = build_index(dumps, page_size)
+    gc.collect()
+    held = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return index, held
+
+
+def measure_index(dumps: list[tuple[RankKey, bytes]], page_size: int) -> dict:
+    """Bytes per indexed page (over the same ranks with empty caches) and how fast dumps are decoded and applied."""
+    empty_dumps = [(key, msgspec.json.encode(KVEventBatch(key[1], 0, [KVEvent("cleared")]))) for key, _ in dumps]
+    _, empty_bytes = held_bytes(empty_dumps, page_size)
+    index, full_bytes = held_bytes(dumps, page_size)
+    pages_per_rank = sorted(len(rank.stored) for rank in index.ranks.values())
+    pages = sum(pages_per_rank)
+    events_per_build = sum(len(msgspec.json.decode(line, type=KVEventBatch).events) for _, line in dumps)
+    builds, started = 0, time.perf_counter()
+    while builds == 0 or time.perf_counter() - started < 1.0:  # one build of a small index is too short to time
+        build_index(dumps, page_size)
+        builds += 1
+    build_s = (time.perf_counter() - started) / builds
+    return {"pages": pages, "pages_per_rank": pages_per_rank, "bytes": full_bytes,
+            "bytes_per_page": (full_bytes - empty_bytes) / max(pages, 1), "bytes_per_empty_rank": empty_bytes / len(dumps),
+            "rebuild_events_per_s": events_per_build / build_s}
 
 
 def main() -> int:
@@ -97,10 +136,15 @@ def main() -> int:
     with InProcessCluster(cfg, transfer="inprocess") as cluster:
         start_s = time.monotonic() - started
         print(f"cluster up in {start_s:.1f} s; {args.requests} requests at {args.request_rate} req/s ...", flush=True)
+        kv_events_before = metric_sums(httpx.get(cluster.url + "/metrics", timeout=30).text, (KV_EVENTS,))[KV_EVENTS]
         result = run_benchmark(cluster.url, workload, SLO(ttft_s=2.0, itl_p99_s=0.05),
                                RunLimits(request_timeout_s=120.0, run_timeout_s=540.0), label="router-at-scale")
-        buckets = histogram_buckets(httpx.get(cluster.url + "/metrics", timeout=30).text, DECISION)
+        metrics_text = httpx.get(cluster.url + "/metrics", timeout=30).text
+        buckets = histogram_buckets(metrics_text, DECISION)
+        kv_events = metric_sums(metrics_text, (KV_EVENTS,))[KV_EVENTS] - kv_events_before
         alone_ms = cluster.run(choices_alone(cluster, workload), 120)
+        dumps = cluster.run(full_dumps(cluster), 300)
+    index = measure_index(dumps, args.page_size)  # the cluster's threads have stopped: tracemalloc sees only this
     summary = result["summary"]
     ratio = summary["prefix_cache_hit_ratio"] or 0.0
     print(f"\n{ranks} simulated ranks ({args.prefill_workers * args.ranks} prefill), {args.groups} groups x "
@@ -114,6 +158,13 @@ def main() -> int:
     print(f"| {ranks} | {start_s:.1f} | {buckets[-1][1]:.0f} | {histogram_quantile(buckets, 0.5) * 1e3:.3f} / "
           f"{histogram_quantile(buckets, 0.99) * 1e3:.3f} | {alone_p50:.3f} / {alone_p99:.3f} | {ratio:.3f} | "
           f"{best:.3f} | {ratio / best:.0%} | {ttft['p50'] * 1e3:.0f} / {ttft['p99'] * 1e3:.0f} | {summary['failed']} |")
+    per_rank = index["pages_per_rank"]
+    print("\n| KV events ingested in service | events/s in service | dump events/s decoded + applied (rebuild) | "
+          "pages indexed | pages per prefill rank min / median / max | index MiB | bytes per page | bytes per empty rank |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(f"| {kv_events:.0f} | {kv_events / summary['duration_s']:.1f} | {index['rebuild_events_per_s']:,.0f} | "
+          f"{index['pages']} | {per_rank[0]} / {statistics.median(per_rank):.0f} / {per_rank[-1]} | "
+          f"{index['bytes'] / 2**20:.2f} | {index['bytes_per_page']:.0f} | {index['bytes_per_empty_rank']:.0f} |")
     return 0
 
 

@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from pdserve.discovery.endpoints import Discovery, FileDiscovery, KubernetesDiscovery, StaticDiscovery
 from pdserve.http.internal_auth import bearer_headers
 from pdserve.http.slow_clients import client_left
 from pdserve.text.generation_defaults import GenerationDefaults
@@ -20,7 +21,6 @@ from pdserve.text.tokenizer import PromptTokenizer
 from pdserve_router import openai_schema as schema
 from pdserve_router.admission import Admission, authenticate, read_body_limited
 from pdserve_router.config import RouterConfig
-from pdserve.discovery.endpoints import Discovery, KubernetesDiscovery, StaticDiscovery
 from pdserve_router.dispatch import Dispatcher
 from pdserve_router.errors import APIError
 from pdserve_router.metrics import RouterMetrics
@@ -47,6 +47,8 @@ class RouterParts:
 def make_discovery(config: RouterConfig) -> Discovery:
     if config.discovery == "k8s":
         return KubernetesDiscovery(config.k8s_namespace, config.k8s_label_selector)
+    if config.discovery == "file":
+        return FileDiscovery(config.workers_file)
     return StaticDiscovery(config.worker_urls)
 
 

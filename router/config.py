@@ -10,7 +10,7 @@ from pdserve.http.internal_auth import internal_token_from
 from pdserve.settings.flags import add_flags, comma_list, from_flags, setting
 
 RoutingPolicy = Literal["prefix", "round_robin", "least_load"]
-DiscoveryKind = Literal["static", "k8s"]
+DiscoveryKind = Literal["static", "file", "k8s"]
 
 
 def worker_url_list(text: str) -> tuple[str, ...]:
@@ -23,9 +23,11 @@ class RouterConfig:
     served_model_name: str = setting("", "model name clients use (default: the model directory's name)")
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(8000, "port to listen on")
-    discovery: DiscoveryKind = setting("static", "where workers come from: --workers, or the pods Kubernetes lists")
+    discovery: DiscoveryKind = setting("static", "where workers come from: --workers, --workers-file, or the pods "
+                                                 "Kubernetes lists")
     worker_urls: tuple[str, ...] = setting((), "comma-separated worker URLs (static discovery)", flag="--workers",
                                            parse=worker_url_list)
+    workers_file: str = setting("", "file of worker URLs, one per line, read again when it changes (file discovery)")
     k8s_namespace: str = setting("default", "namespace whose pods are workers (k8s discovery)")
     k8s_label_selector: str = setting("app.kubernetes.io/name=pdserve", "label selector of worker pods (k8s discovery)")
     routing: RoutingPolicy = setting("prefix", "how a request's prefill rank is chosen")
@@ -71,7 +73,7 @@ class RouterConfig:
     def __post_init__(self) -> None:
         checks = [
             (self.routing in ("prefix", "round_robin", "least_load"), f"routing must be prefix|round_robin|least_load, got {self.routing!r}"),
-            (self.discovery in ("static", "k8s"), f"discovery must be static|k8s, got {self.discovery!r}"),
+            (self.discovery in ("static", "file", "k8s"), f"discovery must be static|file|k8s, got {self.discovery!r}"),
             (self.prefix_weight >= 0 and self.load_weight >= 0, "prefix_weight and load_weight must be >= 0"),
             (self.local_prefill_max_tokens >= 0 and self.local_prefill_min_queue >= 0,
              "local_prefill_max_tokens and local_prefill_min_queue must be >= 0"),

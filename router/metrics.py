@@ -1,12 +1,18 @@
 """The router's Prometheus metrics, in a registry of their own (no process-wide globals)."""
 
+import collections
+from typing import get_args
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pdserve.wire.kv_events import KVEvent, KVEventKind
 
 TTFT_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 60.0)
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 QUEUE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 DECISION_BUCKETS_S = (0.00002, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
+TOKEN_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
@@ -29,6 +35,11 @@ class RouterMetrics:
             "pdserve_router_routing_decision_seconds", "Time to choose a request's prefill and decode ranks.",
             DECISION_BUCKETS_S,
         )
+        # Per finished sequence (each choice of a request): what the planner sizes the pools from (pdserve/planner/).
+        self.request_prompt_tokens = histogram("pdserve_request_prompt_tokens", "Prompt tokens of a finished sequence.",
+                                               TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram(
+            "pdserve_request_generation_tokens", "Tokens generated for a finished sequence.", TOKEN_BUCKETS)
         self.routed_prefix_match_ratio = histogram(
             "pdserve_routed_prefix_match_ratio", "Matched / total prompt tokens on the chosen rank.", RATIO_BUCKETS
         )
@@ -48,25 +59,39 @@ class RouterMetrics:
             "pdserve_router_local_prefills", "Requests prefilled on their decode rank (conditional disaggregation).",
             labels, registry=self.registry,
         )
+        self._kv_events = Counter(
+            "pdserve_router_kv_events", "KV events from prefill ranks applied to the prefix index, by kind.",
+            labels + ["kind"], registry=self.registry,
+        )
         self._healthy_workers = Gauge("pdserve_router_healthy_workers", "Workers routable now.", labels, registry=self.registry)
 
         # Children bound once: no label look-up per token, and every series is exposed (at 0) from the start.
         self._bound = {metric: metric.labels(**self._label_values) for metric in (
             self.time_to_first_token, self.inter_token_latency, self.e2e_request_latency, self.request_queue,
-            self.routing_decision, self.routed_prefix_match_ratio, self._retries, self._migrations, self._local_prefills, self._healthy_workers)}
+            self.routing_decision, self.request_prompt_tokens, self.request_generation_tokens,
+            self.routed_prefix_match_ratio, self._retries, self._migrations, self._local_prefills, self._healthy_workers)}
         self.observe_ttft = self._bound[self.time_to_first_token].observe
         self.observe_itl = self._bound[self.inter_token_latency].observe
         self.observe_e2e = self._bound[self.e2e_request_latency].observe
         self.observe_queue = self._bound[self.request_queue].observe
         self.observe_routing_decision = self._bound[self.routing_decision].observe
         self.observe_prefix_match_ratio = self._bound[self.routed_prefix_match_ratio].observe
+        self.observe_prompt_tokens = self._bound[self.request_prompt_tokens].observe
+        self.observe_generation_tokens = self._bound[self.request_generation_tokens].observe
         self.count_retry = self._bound[self._retries].inc
         self.count_migration = self._bound[self._migrations].inc
         self.count_local_prefill = self._bound[self._local_prefills].inc
         self.set_healthy_workers = self._bound[self._healthy_workers].set
+        self._kv_events_by_kind = {kind: self._kv_events.labels(kind=kind, **self._label_values)
+                                   for kind in get_args(KVEventKind)}
 
     def count_request(self, status: str) -> None:
         self._requests.labels(status=status, **self._label_values).inc()
+
+    def count_kv_events(self, events: list[KVEvent]) -> None:
+        """One batch's events (a full dump holds one per cached page): one increment per kind, not per event."""
+        for kind, count in collections.Counter(event.kind for event in events).items():
+            self._kv_events_by_kind[kind].inc(count)
 
     def note_worker(self, worker_url: str) -> None:
         """A worker's ejection count exists (at 0) from its discovery on."""

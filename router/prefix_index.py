@@ -13,11 +13,13 @@ seq. Cost: lookup is O(pages of the prompt) set probes; applying an event is O(i
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from pdserve.wire.block_hash import prefix_page_hashes
 from pdserve.wire.protocol import KVEventBatch
 
 RankKey = tuple[str, int]  # (worker url, rank)
+BatchOutcome = Literal["applied", "skipped", "gap"]
 
 
 @dataclass
@@ -52,21 +54,22 @@ class PrefixIndex:
         rank = self.ranks[key]
         return -1 if rank.last_seq is None else rank.last_seq
 
-    def apply(self, key: RankKey, batch: KVEventBatch) -> bool:
-        """Apply one batch; False means a seq gap was seen: the rank was emptied and must resubscribe with after=-1."""
+    def apply(self, key: RankKey, batch: KVEventBatch) -> BatchOutcome:
+        """Apply one batch. "skipped": nothing changed (an unknown rank, a replay, or a live batch while waiting for
+        the full dump); "gap": a seq gap was seen, the rank was emptied and must resubscribe with after=-1."""
         rank = self.ranks.get(key)
         if rank is None:
-            return True
+            return "skipped"
         starts_dump = bool(batch.events) and batch.events[0].kind == "cleared"
         if not starts_dump:
             if rank.last_seq is None:
-                return True  # still waiting for the dump; live batches before it are already in it
+                return "skipped"  # still waiting for the dump; live batches before it are already in it
             if batch.seq <= rank.last_seq:
-                return True  # a replay of something applied
+                return "skipped"  # a replay of something applied
             if batch.seq != rank.last_seq + 1:
                 rank.stored.clear()
                 rank.last_seq = None
-                return False
+                return "gap"
         rank.last_seq = batch.seq
         for event in batch.events:
             if event.kind == "cleared":
@@ -77,7 +80,7 @@ class PrefixIndex:
                     rank.pending.pop(page_hash, None)
             elif event.kind == "removed":
                 rank.stored.difference_update(event.block_hashes)
-        return True
+        return "applied"
 
     def mark_lost(self, key: RankKey) -> None:
         """The event stream broke: keep what is known (still mostly true) but ask for a full dump on reconnect."""

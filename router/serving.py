@@ -251,12 +251,19 @@ class Serving:
             await self._collect_unless_disconnected(outputs, events, http_request, arrival_s)
         finally:
             on_done()
+            self._observe_lengths(outputs)
         failed = next((o for o in outputs if o.finish_reason == "error"), None)
         if failed is not None:
             self.metrics.count_request("error")
             raise APIError(502, f"the worker failed while generating: {failed.error}", code="worker_error", type="server_error")
         self.metrics.count_request("ok")
         return JSONResponse(builder.whole(outputs, usage(outputs, n)))
+
+    def _observe_lengths(self, outputs: list[ChoiceOutput]) -> None:
+        """Each sequence's prompt and generated lengths, however it ended: the work it took is what pools are sized by."""
+        for output in outputs:
+            self.metrics.observe_prompt_tokens(len(output.prompt_token_ids))
+            self.metrics.observe_generation_tokens(len(output.token_ids))
 
     async def _merged_events(self, request_id: str, plans: list[ChoicePlan], arrival_s: float) -> AsyncIterator[tuple[int, TokenEvent]]:
         """Events of all choices, interleaved as they come; leaving early cancels (and so aborts) every choice."""
@@ -364,3 +371,4 @@ class Serving:
             self.metrics.observe_e2e(time.monotonic() - arrival_s)
         finally:
             self.metrics.count_request(status)
+            self._observe_lengths(outputs)

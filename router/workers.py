@@ -196,7 +196,10 @@ class WorkerPool:
                 batches = worker.client.kv_events(rank, self._index.subscribe_after(key))
                 async with contextlib.aclosing(batches):
                     async for batch in batches:
-                        if not self._index.apply(key, batch):
+                        outcome = self._index.apply(key, batch)
+                        if outcome == "applied":
+                            self._metrics.count_kv_events(batch.events)
+                        elif outcome == "gap":
                             logger.info("KV event gap on %s; resyncing from a full dump", key)
                             break
             except (httpx.HTTPError, ValueError) as error:

@@ -18,6 +18,7 @@ LAYERS = [
     {"disagg"},  # the prefill -> decode hand-off: its states per request and role, over an engine and a transport
     {"worker", "router"},  # the two server processes
     {"cluster", "bench"},
+    {"planner"},  # sizes the pools from the routers' metrics; scales StatefulSets or a local cluster
     {"cli"},
 ]
 LAYER_OF = {package: level for level, packages in enumerate(LAYERS) for package in packages}

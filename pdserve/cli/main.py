@@ -7,6 +7,7 @@ import sys
 from pdserve.cli.bench import add_bench_parser
 from pdserve.cli.generate import add_generate_parser
 from pdserve.cli.make_tiny_model import add_make_tiny_model_parser
+from pdserve.cli.planner import add_planner_parser
 from pdserve.cli.router import add_router_parser
 from pdserve.cli.up import add_up_parser
 from pdserve.cli.worker import add_worker_parser
@@ -22,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_router_parser(subparsers)
     add_up_parser(subparsers)
     add_bench_parser(subparsers)
+    add_planner_parser(subparsers)
     return parser
 
 

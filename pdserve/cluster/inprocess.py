@@ -12,7 +12,9 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Coroutine
@@ -24,10 +26,13 @@ import uvicorn
 
 from pdserve.cluster.layout import (
     ClusterConfig,
+    PoolFiles,
     StartedCluster,
+    WorkerSlot,
     cluster_credential,
     listening_socket,
     router_flags,
+    wait_idle,
     wait_routable,
     worker_flags,
     worker_slots,
@@ -45,6 +50,9 @@ from pdserve.worker.rank_runtime import RankRuntime
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 STOP_TIMEOUT_S = 30.0
+# A worker taken out of the router's view is stopped once it has been idle this long: the router re-reads its
+# workers every health interval (1 s by default) and may have routed one last request just before.
+REMOVE_QUIET_S = 2.0
 
 
 @dataclass
@@ -73,6 +81,11 @@ class InProcessCluster(StartedCluster):
     # keep no thread polling per rank: for hundreds of ranks in one process.
     transfer: Literal["nixl", "inprocess"] = "nixl"
     _fabric: InProcessFabric = field(default_factory=InProcessFabric)
+    _pool_files: PoolFiles | None = None  # a scalable cluster's endpoint files
+    _draining: set[str] = field(default_factory=set)  # URLs of workers being removed: peers still, not routable
+    _joining: set[str] = field(default_factory=set)  # URLs of workers starting: peers already, not routable yet
+    _workers_started: dict[str, int] = field(default_factory=dict)  # per role, for the next worker's name
+    _membership: threading.Lock = field(default_factory=threading.Lock)  # workers may come and go from many threads
     _loop: asyncio.AbstractEventLoop | None = None
     _thread: threading.Thread | None = None
 
@@ -100,9 +113,65 @@ class InProcessCluster(StartedCluster):
         # Every port is held from the start: starting many workers takes long enough for other sockets to come.
         sockets = [listening_socket() for _ in range(cfg.num_prefill + cfg.num_decode + cfg.num_both)]
         slots = worker_slots(cfg, [sock.getsockname()[1] for sock in sockets])
+        if cfg.scalable:
+            self._pool_files = PoolFiles(tempfile.mkdtemp(prefix="pdserve-pools-"))
+            self._pool_files.write([slot.url for slot in slots], [slot.url for slot in slots])
         for slot, sock in zip(slots, sockets):
-            self.workers.append(await self._start_worker(slot.name, worker_flags(cfg, slot, slots), sock))
+            self._workers_started[slot.role] = self._workers_started.get(slot.role, 0) + 1
+            flags = worker_flags(cfg, slot, slots, self._pool_files)
+            self.workers.append(await self._start_worker(slot.name, flags, sock))
         self.router = await self._start_router(listening_socket(cfg.port))
+
+    # --- pools that grow and shrink (ClusterConfig.scalable) --------------------------------------------------------
+
+    def add_worker(self, role: str) -> ServedApp:
+        """Start one more worker of `role` and put it in the router's view; returns once it serves HTTP (the router
+        admits it at its next health check)."""
+        files = self._require_pool_files()
+        sock = listening_socket()
+        with self._membership:
+            index = self._workers_started.get(role, 0)
+            self._workers_started[role] = index + 1
+            slot = WorkerSlot(f"{role}-{index}", role, sock.getsockname()[1])
+            self._joining.add(slot.url)
+            self._write_pools()
+        try:
+            worker = self.run(self._start_worker(slot.name, worker_flags(self.cfg, slot, [], files), sock),
+                              self.cfg.start_timeout_s)
+            with self._membership:
+                self.workers.append(worker)
+        finally:
+            with self._membership:
+                self._joining.discard(slot.url)
+                self._write_pools()
+        return worker
+
+    def remove_worker(self, worker: ServedApp, drain_timeout_s: float = 60.0) -> bool:
+        """Take `worker` out of the router's view, let what it runs finish (at most `drain_timeout_s`), then stop
+        it. True if it drained; False if it was stopped with work still on it."""
+        self._require_pool_files()
+        with self._membership:
+            self._draining.add(worker.url)
+            self._write_pools()
+        drained = wait_idle(worker.url, self.internal_token, REMOVE_QUIET_S, time.monotonic() + drain_timeout_s)
+        with self._membership:
+            self.workers.remove(worker)
+            self._draining.discard(worker.url)
+            self._write_pools()
+        self.run(self._stop_served([worker]), STOP_TIMEOUT_S + 1)
+        for rank in worker.ranks:
+            rank.stop()
+        return drained
+
+    def _require_pool_files(self) -> PoolFiles:
+        if self._pool_files is None:
+            raise ValueError("this cluster's pools are fixed: start it with ClusterConfig(scalable=True)")
+        return self._pool_files
+
+    def _write_pools(self) -> None:
+        peers = [worker.url for worker in self.workers] + sorted(self._joining)
+        routable = [worker.url for worker in self.workers if worker.url not in self._draining]
+        self._require_pool_files().write(routable, peers)
 
     def restart_router(self) -> None:
         """A new router on the same port, knowing nothing of the old one's state (as after its process restarted)."""
@@ -141,7 +210,7 @@ class InProcessCluster(StartedCluster):
         parser = argparse.ArgumentParser()
         add_router_arguments(parser)
         port = sock.getsockname()[1]
-        args = parser.parse_args(router_flags(self.cfg, [w.url for w in self.workers], port))
+        args = parser.parse_args(router_flags(self.cfg, [w.url for w in self.workers], port, self._pool_files))
         config = dataclasses.replace(router_config_from_args(args), internal_token=self.internal_token)
         limits = SlowClientLimits(config.request_read_timeout_s, config.send_stall_timeout_s)
         return await self._serve("router", f"http://127.0.0.1:{port}", build_router_app(config), limits, sock)
@@ -170,6 +239,8 @@ class InProcessCluster(StartedCluster):
             assert self._thread is not None
             self._thread.join(STOP_TIMEOUT_S)
             self._loop = None
+            if self._pool_files is not None:
+                shutil.rmtree(self._pool_files.directory, ignore_errors=True)
 
     async def _stop_parts(self) -> None:
         await self._stop_served(([self.router] if self.router else []) + self.workers)

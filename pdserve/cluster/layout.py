@@ -11,7 +11,8 @@ from typing import TypeVar
 
 import httpx
 
-from pdserve.http.internal_auth import TOKEN_ENV
+from pdserve.discovery.endpoints import write_endpoints_file
+from pdserve.http.internal_auth import TOKEN_ENV, bearer_headers
 
 
 def cluster_credential() -> str:
@@ -40,6 +41,9 @@ class ClusterConfig:
     start_timeout_s: float = 300.0
     ray_address: str | None = None  # join this Ray instance; None: start one owned by this cluster (processes only)
     log_dir: str | None = None  # each process's output goes to a file here (default: a temp dir; processes only)
+    # Pools may grow and shrink while it runs (the planner): the router and the workers then read who is there from
+    # endpoint files (PoolFiles) instead of fixed lists.
+    scalable: bool = False
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,27 @@ def worker_slots(cfg: ClusterConfig, ports: list[int] | None = None) -> list[Wor
     return slots
 
 
+@dataclass(frozen=True)
+class PoolFiles:
+    """A scalable cluster's two endpoint files (FileDiscovery): `workers`, what the router routes to, and `peers`,
+    whom a worker may hand KV to or take it from. A worker joins the peers before the router sees it and leaves
+    them only after it has drained, so no hand-off in flight is refused."""
+
+    directory: str
+
+    @property
+    def workers(self) -> str:
+        return os.path.join(self.directory, "workers")
+
+    @property
+    def peers(self) -> str:
+        return os.path.join(self.directory, "peers")
+
+    def write(self, routable: list[str], peers: list[str]) -> None:
+        write_endpoints_file(self.peers, peers)
+        write_endpoints_file(self.workers, routable)
+
+
 def listening_socket(port: int = 0) -> socket.socket:
     """A socket bound on 127.0.0.1 (`port` 0: any free port), held from now on so nothing else can take the port."""
     sock = socket.socket()
@@ -74,15 +99,19 @@ def listening_socket(port: int = 0) -> socket.socket:
     return sock
 
 
-def worker_flags(cfg: ClusterConfig, slot: WorkerSlot, slots: list[WorkerSlot]) -> list[str]:
+def worker_flags(cfg: ClusterConfig, slot: WorkerSlot, slots: list[WorkerSlot],
+                 pool_files: PoolFiles | None = None) -> list[str]:
     """`pdserve worker` flags of one worker; every worker may hand KV to every other."""
-    return ["--role", slot.role, "--ranks", str(cfg.ranks_per_worker), "--model", cfg.model,
-            "--peers", ",".join(s.url for s in slots), *cfg.worker_args,
+    peers = (["--discovery", "file", "--peers-file", pool_files.peers] if pool_files
+             else ["--peers", ",".join(s.url for s in slots)])
+    return ["--role", slot.role, "--ranks", str(cfg.ranks_per_worker), "--model", cfg.model, *peers, *cfg.worker_args,
             "--host", "127.0.0.1", "--port", str(slot.port)]
 
 
-def router_flags(cfg: ClusterConfig, worker_urls: list[str], port: int) -> list[str]:
-    return ["--model", cfg.model, "--workers", ",".join(worker_urls), "--routing", cfg.routing, *cfg.router_args,
+def router_flags(cfg: ClusterConfig, worker_urls: list[str], port: int, pool_files: PoolFiles | None = None) -> list[str]:
+    workers = (["--discovery", "file", "--workers-file", pool_files.workers] if pool_files
+               else ["--workers", ",".join(worker_urls)])
+    return ["--model", cfg.model, *workers, "--routing", cfg.routing, *cfg.router_args,
             "--host", "127.0.0.1", "--port", str(port)]
 
 
@@ -98,6 +127,25 @@ def wait_routable(router_url: str, num_workers: int, deadline: float) -> None:
             pass
         time.sleep(0.25)
     raise TimeoutError("router did not see its workers in time")
+
+
+def wait_idle(worker_url: str, internal_token: str, quiet_s: float, deadline: float) -> bool:
+    """The worker has had no request running or waiting on any rank for `quiet_s` (the router, told to stop routing
+    to it, has had time to notice); False if that did not happen before `deadline`."""
+    headers = bearer_headers(internal_token)
+    idle_since = None
+    while time.monotonic() < deadline:
+        try:
+            ranks = httpx.get(worker_url + "/internal/v1/load", headers=headers, timeout=2.0).json()["ranks"]
+            busy = any(rank["running"] or rank["waiting"] for rank in ranks)
+        except (httpx.HTTPError, ValueError, KeyError):
+            busy = True
+        now = time.monotonic()
+        idle_since = None if busy else (idle_since or now)
+        if idle_since is not None and now - idle_since >= quiet_s:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 Cluster = TypeVar("Cluster", bound="StartedCluster")

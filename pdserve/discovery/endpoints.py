@@ -1,6 +1,9 @@
-"""Where the workers are: a snapshot of endpoints behind one interface, from a static list or Kubernetes pods."""
+"""Where the workers are: a snapshot of endpoints behind one interface, from a static list, a file that changes, or
+Kubernetes pods."""
 
 import logging
+import os
+import tempfile
 import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -32,6 +35,44 @@ class StaticDiscovery:
 
     def close(self) -> None:
         pass
+
+
+class FileDiscovery:
+    """Worker URLs in a file, one per line (`#` starts a comment), read again whenever the file changes: how a
+    cluster on one machine grows and shrinks its pools (pdserve/cluster/, the planner). Whoever writes the file
+    replaces it whole (write, then rename), so a reader never sees half of it."""
+
+    def __init__(self, path: str) -> None:
+        if not path:
+            raise ValueError("file discovery needs a file (--workers-file, --peers-file)")
+        self._path = path
+        self._lock = threading.Lock()
+        self._seen: tuple[int, int] | None = None  # (mtime_ns, inode) of the version read
+        self._endpoints: list[Endpoint] = []
+
+    def endpoints(self) -> list[Endpoint]:
+        try:
+            stat = os.stat(self._path)
+        except FileNotFoundError:  # not written yet, or removed: no workers
+            return []
+        with self._lock:
+            if self._seen != (stat.st_mtime_ns, stat.st_ino):
+                with open(self._path) as file:
+                    lines = [line.split("#", 1)[0].strip() for line in file]
+                self._endpoints = [Endpoint(url=line.rstrip("/")) for line in lines if line]
+                self._seen = (stat.st_mtime_ns, stat.st_ino)
+            return list(self._endpoints)
+
+    def close(self) -> None:
+        pass
+
+
+def write_endpoints_file(path: str, urls: list[str]) -> None:
+    """Replace the file FileDiscovery reads in one rename."""
+    descriptor, partial = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".endpoints-")
+    with os.fdopen(descriptor, "w") as file:
+        file.write("".join(f"{url}\n" for url in urls))
+    os.replace(partial, path)
 
 
 def pod_endpoint(pod: dict[str, Any]) -> Endpoint | None:

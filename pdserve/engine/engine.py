@@ -17,6 +17,7 @@ from pdserve.engine.request import Request
 from pdserve.engine.sampler import SampleResult, sample
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.simulated import DEFAULT_PROFILE, SimulatedRunner, StepProfile
+from pdserve.engine.step_shape import StepShape, step_shape
 from pdserve.model.config import ModelConfig
 from pdserve.model.deepseek import DeepseekForCausalLM
 from pdserve.model.loader import build_model, load_model
@@ -126,6 +127,7 @@ class Engine:
         self._seed_source = torch.Generator().manual_seed(cfg.seed)
         self._prefix_queries_tokens = self._prefix_hits_tokens = 0
         self._prompt_tokens = self._generation_tokens = 0
+        self.last_step = StepShape()  # what the last step computed (the step trace times it)
         log.info("engine ready: %s pages of %s tokens on %s (%s); %s", num_pages, cfg.page_size, self.device,
                  self.dtype, described)
 
@@ -253,6 +255,7 @@ class Engine:
         """One scheduled forward pass. `force_forward` runs it even with nothing scheduled (an empty batch), so
         that expert-parallel ranks stepping in lockstep all join the same collectives."""
         scheduled = self.scheduler.schedule()
+        self.last_step = step_shape(scheduled)
         if not scheduled and not force_forward:
             return []
         logits = self.runner.execute(scheduled)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.scheduler import ScheduledSeq
+from pdserve.engine.step_shape import StepShape, step_shape
 
 DEFAULT_PROFILE = Path(__file__).parent / "profiles" / "v2-lite-h100.json"
 
@@ -62,16 +63,14 @@ class StepProfile:
     def prefill_step_ms(self, tokens: int) -> float:
         return interpolate(tokens, self.prefill_tokens, self.prefill_ms)
 
-    def step_ms(self, scheduled: list[ScheduledSeq]) -> float:
+    def step_ms(self, shape: StepShape) -> float:
         """Decodes and prefill chunks of one step share its weight reads: a mixed step costs the decode batch plus
         what the prefill tokens add over a one-token step."""
-        decodes = [s for s in scheduled if s.num_new_tokens == 1 and s.request.output_token_ids]
-        prefill_tokens = sum(s.num_new_tokens for s in scheduled) - len(decodes)
-        if not decodes:
+        prefill_tokens = shape.prefill_tokens
+        if not shape.decode_batch:
             return self.prefill_step_ms(prefill_tokens) if prefill_tokens else 0.0
-        mean_context = sum(s.request.num_computed_tokens + 1 for s in decodes) / len(decodes)
         extra = self.prefill_step_ms(prefill_tokens) - self.prefill_step_ms(1) if prefill_tokens else 0.0
-        return self.decode_step_ms(len(decodes), mean_context) + max(0.0, extra)
+        return self.decode_step_ms(shape.decode_batch, shape.decode_context) + max(0.0, extra)
 
 
 class SimulatedRunner:
@@ -92,7 +91,7 @@ class SimulatedRunner:
         self._generator = torch.Generator().manual_seed(seed)
 
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        seconds = self.profile.step_ms(scheduled) / 1000
+        seconds = self.profile.step_ms(step_shape(scheduled)) / 1000
         self.simulated_s += seconds
         time.sleep(seconds * self.time_scale)
         rows = sum(1 for seq in scheduled if seq.samples)

@@ -35,8 +35,9 @@ class WorkerConfig:
     internal_token: str = field(default="", repr=False)
     peers: tuple[str, ...] = setting((), "comma-separated URLs of the workers this one may exchange KV with (static "
                                          "discovery)")
-    discovery: Literal["static", "k8s"] = setting("static", "where hand-off peers come from: --peers, or the pods "
-                                                            "Kubernetes lists")
+    discovery: Literal["static", "file", "k8s"] = setting("static", "where hand-off peers come from: --peers, "
+                                                                    "--peers-file, or the pods Kubernetes lists")
+    peers_file: str = setting("", "file of peer URLs, one per line, read again when it changes (file discovery)")
     k8s_namespace: str = setting("default", "namespace whose pods are peers (k8s discovery)")
     k8s_label_selector: str = setting("app.kubernetes.io/name=pdserve", "label selector of peer pods (k8s discovery)")
     nixl_progress_thread: bool | None = setting(None, "NIXL's own progress thread (spins a core): auto = on for GPU "
@@ -44,6 +45,9 @@ class WorkerConfig:
     warmup: bool = setting(True, "run every kernel variant once before reporting ready")
     stuck_step_timeout_s: float = setting(300.0, "a rank whose step loop has not moved on for this long is unhealthy "
                                                  "(a long step is not)")
+    step_trace: str = setting("", "append one JSON line per busy engine step to this file (rank N writes FILE.rankN; "
+                                  "one file per worker): the step's shape and the step loop's turn time, from "
+                                  "warm-up's end on (docs/simulation.md)", parse=os.path.abspath)
     test_step_delay_s: float = setting(0.0, "test hook: each step after warm-up sleeps this long first", hidden=True)
 
     @property

@@ -10,7 +10,7 @@ import ray
 import uvicorn
 
 from pdserve.disagg.guard import HandoffGuard
-from pdserve.discovery.endpoints import Discovery, KubernetesDiscovery, StaticDiscovery
+from pdserve.discovery.endpoints import Discovery, FileDiscovery, KubernetesDiscovery, StaticDiscovery
 from pdserve.http.internal_auth import bearer_headers
 from pdserve.http.slow_clients import SlowClientLimits, bounded_h11
 from pdserve.model.config import ModelConfig
@@ -62,14 +62,19 @@ def rank_configs(cfg: WorkerConfig) -> list[RankConfig]:
                    prefill_timeout_s=cfg.prefill_timeout_s, world_size=cfg.num_ranks,
                    expert_parallel=cfg.expert_parallel, internal_token=cfg.internal_token,
                    nixl_progress_thread=cfg.nixl_progress_thread,
-                   warmup=cfg.warmup, test_step_delay_s=cfg.test_step_delay_s)
+                   warmup=cfg.warmup, test_step_delay_s=cfg.test_step_delay_s, step_trace=cfg.step_trace)
         for i in range(cfg.num_ranks)
     ]
 
 
 def handoff_guard(cfg: WorkerConfig) -> HandoffGuard:
-    peers: Discovery = (KubernetesDiscovery(cfg.k8s_namespace, cfg.k8s_label_selector) if cfg.discovery == "k8s"
-                        else StaticDiscovery(cfg.peers))
+    peers: Discovery
+    if cfg.discovery == "k8s":
+        peers = KubernetesDiscovery(cfg.k8s_namespace, cfg.k8s_label_selector)
+    elif cfg.discovery == "file":
+        peers = FileDiscovery(cfg.peers_file)
+    else:
+        peers = StaticDiscovery(cfg.peers)
     http = httpx.AsyncClient(headers=bearer_headers(cfg.internal_token))
 
     async def confirm_at(url: str, query: ReservationQuery) -> Reservation | None:

@@ -36,6 +36,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine, EngineStats, NoCapacityError, RequestOutput
 from pdserve.engine.lockstep import Lockstep
 from pdserve.engine.simulated import SimulatedRunner
+from pdserve.engine.step_trace import StepTrace, rank_trace_path
 from pdserve.http.internal_auth import bearer_headers
 from pdserve.model.config import ModelConfig
 from pdserve.ops.moe import ExpertRange
@@ -81,6 +82,7 @@ class RankConfig:
     warmup: bool = True  # run every kernel variant once before the rank reports ready
     test_step_delay_s: float = 0.0  # test hook: after warm-up each step first sleeps this long (a slow kernel)
     clock_margin_s: float = CLOCK_MARGIN_S  # how far host clocks may disagree, for write deadlines
+    step_trace: str = ""  # trace each busy step to this path's `.rank{rank}` file once warmed up (step_trace.py)
 
 
 class _EnginePort:
@@ -308,6 +310,8 @@ class RankRuntime:
             self.warmup_s = time.monotonic() - started
             log.info("rank %s warmed up in %.1f s", self.cfg.rank, self.warmup_s)
         self.steps.test_step_delay_s = self.cfg.test_step_delay_s
+        if self.cfg.step_trace:  # warm-up's steps (kernels compiling) are no step's cost in service
+            self.steps.trace = StepTrace(rank_trace_path(self.cfg.step_trace, self.cfg.rank))
 
     # --- on the step thread -----------------------------------------------------------------------------------
     def _route_output(self, output: RequestOutput) -> None:

@@ -1,6 +1,7 @@
 """Steps one rank's engine on a thread of its own. Everything else reaches the engine by handing this thread a
 closure (`call`), so the engine stays single-threaded; after each turn the thread publishes a `RankSnapshot`, from
-which load, metrics and health are answered without waiting on it (a long step, a kernel compiling, is not death)."""
+which load, metrics and health are answered without waiting on it (a long step, a kernel compiling, is not death).
+Given a step trace, it records each busy step's shape and turn time (pdserve/engine/step_trace.py)."""
 
 import asyncio
 import concurrent.futures
@@ -14,6 +15,8 @@ from typing import Any, TypeVar
 
 from pdserve.engine.engine import Engine, EngineStats, RequestOutput
 from pdserve.engine.lockstep import Lockstep
+from pdserve.engine.step_shape import StepShape
+from pdserve.engine.step_trace import StepTrace
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -38,12 +41,23 @@ class RankSnapshot:
     turned_s: float  # monotonic time the loop last came around
 
 
+@dataclass(frozen=True)
+class _OpenTurn:
+    """A traced step whose turn of the loop has not ended yet."""
+
+    shape: StepShape
+    started_s: float
+    engine_ms: float
+
+
 class StepLoop:
     def __init__(self, engine: Engine, rank: int, lockstep: Lockstep | None,
                  route: Callable[[RequestOutput], None], fail_all: Callable[[str], None]):
         """`route` gets each step's outputs, `fail_all` a message when a step raised; both on the step thread."""
         self.engine = engine
         self.test_step_delay_s = 0.0  # test hook: each step first sleeps this long (a slow kernel)
+        self.trace: StepTrace | None = None  # when set, each busy step's turn is traced (closed when the loop ends)
+        self._open_turn: _OpenTurn | None = None
         self._rank = rank
         self._lockstep = lockstep
         self._idle_wait_s = IDLE_WAIT_S if lockstep is not None else IDLE_BLOCK_S
@@ -80,18 +94,25 @@ class StepLoop:
 
     # --- the step thread --------------------------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self._run_commands(block=not self.engine.has_work())
-            try:
-                for output in self._step():
-                    self._route(output)
-            except Exception:  # noqa: BLE001 - a step failure must reach every caller, not kill the thread silently
-                log.exception("rank %s step failed", self._rank)
-                self._fail_all("engine step failed")
-                if self._lockstep is not None:  # a peer is gone: no later collective can succeed
-                    self._break(f"rank {self._rank} lost its expert-parallel peers")
-                    return
-            self._turned()
+        try:
+            while not self._stop.is_set():
+                idle = not self.engine.has_work()
+                if idle:
+                    self._went_idle()
+                self._run_commands(block=idle)
+                try:
+                    for output in self._step():
+                        self._route(output)
+                except Exception:  # noqa: BLE001 - a step failure must reach every caller, not kill the thread
+                    log.exception("rank %s step failed", self._rank)
+                    self._fail_all("engine step failed")
+                    if self._lockstep is not None:  # a peer is gone: no later collective can succeed
+                        self._break(f"rank {self._rank} lost its expert-parallel peers")
+                        return
+                self._turned()
+        finally:
+            if self.trace is not None:
+                self.trace.close()
 
     def _step(self) -> list[RequestOutput]:
         busy = self.engine.has_work()
@@ -99,11 +120,29 @@ class StepLoop:
             busy = self._lockstep.any_rank_busy(busy)
         if not busy:
             return []
+        started_s = time.monotonic()
+        self._end_turn(started_s)
         if self.test_step_delay_s:
             time.sleep(self.test_step_delay_s)
+        engine_started_s = time.monotonic()
         outputs = self.engine.step(force_forward=self._lockstep is not None)
         self._steps_completed += 1
+        if self.trace is not None and self.engine.last_step.ran_work:
+            engine_ms = (time.monotonic() - engine_started_s) * 1000
+            self._open_turn = _OpenTurn(self.engine.last_step, started_s, engine_ms)
         return outputs
+
+    def _end_turn(self, now_s: float) -> None:
+        """The traced step's turn ends: at the next step's start, or where the loop found no more work."""
+        turn, self._open_turn = self._open_turn, None
+        if turn is not None and self.trace is not None:
+            self.trace.record(turn.shape, turn.started_s, turn.engine_ms, now_s)
+
+    def _went_idle(self) -> None:
+        """The wait for work that follows is no step's cost; what the trace holds is written before it."""
+        if self.trace is not None:
+            self._end_turn(time.monotonic())
+            self.trace.flush()
 
     def _turned(self) -> None:
         now = time.monotonic()

@@ -54,13 +54,13 @@ def test_own_assignment_counts_until_it_expires():
 def test_seq_gap_empties_the_rank_and_asks_for_a_full_dump():
     index = fresh_index()
     index.apply(RANK, KVEventBatch(0, 11, [KVEvent("stored", HASHES, parent_hash=0)]))
-    assert index.apply(RANK, KVEventBatch(0, 13, [KVEvent("stored", [123])])) is False
+    assert index.apply(RANK, KVEventBatch(0, 13, [KVEvent("stored", [123])])) == "gap"
     assert matched(index) == 0 and index.subscribe_after(RANK) == -1
     # Live batches before the dump are ignored; the dump (cleared + stored) restores the rank whatever its seq.
-    index.apply(RANK, KVEventBatch(0, 14, [KVEvent("stored", HASHES, parent_hash=0)]))
+    assert index.apply(RANK, KVEventBatch(0, 14, [KVEvent("stored", HASHES, parent_hash=0)])) == "skipped"
     assert matched(index) == 0
     dump = KVEventBatch(0, 20, [KVEvent("cleared"), KVEvent("stored", HASHES[:2], parent_hash=0)])
-    assert index.apply(RANK, dump) is True
+    assert index.apply(RANK, dump) == "applied"
     assert matched(index) == 2 * PAGE and index.subscribe_after(RANK) == 20
     index.apply(RANK, KVEventBatch(0, 21, [KVEvent("stored", HASHES[2:], parent_hash=HASHES[1])]))
     assert matched(index) == 4 * PAGE
@@ -70,8 +70,14 @@ def test_replayed_batches_are_not_applied_twice():
     index = fresh_index()
     index.apply(RANK, KVEventBatch(0, 11, [KVEvent("stored", HASHES, parent_hash=0)]))
     index.apply(RANK, KVEventBatch(0, 12, [KVEvent("removed", HASHES)]))
-    assert index.apply(RANK, KVEventBatch(0, 11, [KVEvent("stored", HASHES, parent_hash=0)])) is True
+    assert index.apply(RANK, KVEventBatch(0, 11, [KVEvent("stored", HASHES, parent_hash=0)])) == "skipped"
     assert matched(index) == 0
+
+
+def test_batches_of_an_unknown_rank_change_nothing():
+    index = fresh_index()
+    assert index.apply(("http://gone", 0), KVEventBatch(0, 1, [KVEvent("cleared"), KVEvent("stored", HASHES)])) == "skipped"
+    assert ("http://gone", 0) not in index.ranks
 
 
 def test_ranks_with_different_page_sizes_are_matched_with_their_own_hashes():

@@ -1,0 +1,68 @@
+"""A rank's step trace: one JSON line per step that ran work, holding the step's shape and the wall time of the step
+loop's whole turn around it (the engine step, routing its outputs, the calls run before the next step). That turn is
+what a step costs in service; profile_fit.py turns a trace into a step profile for the simulated engine.
+
+Lines are kept in memory and appended to the file whole, at most every FLUSH_INTERVAL_S while busy and whenever the
+loop goes idle, so a reader sees a trace at most that old and never half a line."""
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from pdserve.engine.step_shape import StepShape
+
+FLUSH_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    t_s: float  # when the step started, seconds after the trace was opened
+    shape: StepShape
+    engine_ms: float  # the engine's step alone
+    turn_ms: float  # from the step's start to the next step's start, or to the loop's return to idle
+
+
+def rank_trace_path(path: str, rank: int) -> str:
+    """The file rank `rank` of a worker started with `--step-trace PATH` writes."""
+    return f"{path}.rank{rank}"
+
+
+class StepTrace:
+    """Written by one thread (the rank's step thread)."""
+
+    def __init__(self, path: str | Path, flush_interval_s: float = FLUSH_INTERVAL_S):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - open until close()
+        self._lines: list[bytes] = []
+        self._encoder = msgspec.json.Encoder()
+        self._flush_interval_s = flush_interval_s
+        self._opened_s = self._flushed_s = time.monotonic()
+
+    def record(self, shape: StepShape, started_s: float, engine_ms: float, ended_s: float) -> None:
+        """A step that started at `started_s` (monotonic) and whose turn ended at `ended_s`."""
+        record = StepRecord(round(started_s - self._opened_s, 6), shape, round(engine_ms, 4),
+                            round((ended_s - started_s) * 1000, 4))
+        self._lines.append(self._encoder.encode(record) + b"\n")
+        if ended_s - self._flushed_s >= self._flush_interval_s:
+            self.flush()
+
+    def flush(self) -> None:
+        self._flushed_s = time.monotonic()
+        if self._lines:
+            pending = memoryview(b"".join(self._lines))  # whole lines in one append
+            self._lines.clear()
+            while pending:
+                pending = pending[self._file.write(pending):]
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self.flush()
+            self._file.close()
+
+
+def read_trace(path: str | Path) -> list[StepRecord]:
+    decoder = msgspec.json.Decoder(StepRecord)
+    return [decoder.decode(line) for line in Path(path).read_bytes().splitlines() if line.strip()]

@@ -1,0 +1,45 @@
+"""What one rank can take at the SLO, from the model's step profile (the same file the simulated engine steps by):
+prefill tokens per second, kept below a target utilization so prompts seldom queue; and the decode batch whose step
+fits the inter-token latency target, with the tokens per second that batch produces."""
+
+from dataclasses import dataclass
+
+from pdserve.engine.simulated import StepProfile
+
+
+@dataclass(frozen=True)
+class DecodeCapacity:
+    batch: int  # sequences a rank decodes at once within the ITL target
+    step_s: float  # its step time
+    meets_itl: bool  # False: even one sequence steps slower than the target (the rank runs batch 1 anyway)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch / self.step_s
+
+
+def prefill_tokens_per_s(profile: StepProfile, chunk_tokens: int) -> float:
+    """A prefill rank's throughput when it runs full chunks back to back."""
+    return chunk_tokens / (profile.prefill_step_ms(chunk_tokens) / 1000)
+
+
+def decode_capacity(profile: StepProfile, step_target_s: float, context_tokens: float,
+                    max_batch: int) -> DecodeCapacity:
+    """The largest batch (at most `max_batch`, and what the KV pool holds at this context) whose decode step takes
+    at most `step_target_s`; step time grows with the batch, so a bisection finds it."""
+    pool_batch = int(profile.kv_pool_tokens // max(context_tokens, 1.0))
+    high = max(1, min(max_batch, pool_batch))
+
+    def step_s(batch: int) -> float:
+        return profile.decode_step_ms(batch, context_tokens) / 1000
+
+    if step_s(1) > step_target_s:
+        return DecodeCapacity(1, step_s(1), meets_itl=False)
+    low = 1  # step_s(low) fits; find the largest that does
+    while low < high:
+        middle = (low + high + 1) // 2
+        if step_s(middle) <= step_target_s:
+            low = middle
+        else:
+            high = middle - 1
+    return DecodeCapacity(low, step_s(low), meets_itl=True)

@@ -1,0 +1,86 @@
+"""The decision: how many prefill and decode workers the traffic of the last interval, extrapolated over the time a
+new worker takes to start, needs at the SLO. Capacity comes from the step profile; measured latency corrects it (a
+pool whose p99 misses its target gets one more worker than the model asked for); pools grow at once and shrink only
+to the largest size needed over a window, so a dip between bursts does not stop workers that must start again."""
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from pdserve.engine.simulated import StepProfile
+from pdserve.planner.capacity import decode_capacity, prefill_tokens_per_s
+from pdserve.planner.config import PlannerConfig
+from pdserve.planner.traffic import Traffic
+
+TREND_POINTS = 4  # intervals the rate's trend is fitted over
+# Lengths assumed until the first request finishes: a chat turn.
+DEFAULT_PROMPT_TOKENS, DEFAULT_OUTPUT_TOKENS = 1024.0, 256.0
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    prefill: int
+    decode: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    at_s: float
+    predicted_rate: float  # requests per second expected `lookahead_s` ahead
+    needed: PoolSizes  # what the capacity model and the latency correction ask for
+    target: PoolSizes  # after the scale-down window and the bounds
+    reasons: tuple[str, ...]
+
+
+def rate_trend(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (time, rate); 0 for fewer than two points."""
+    if len(points) < 2:
+        return 0.0
+    mean_t = sum(t for t, _ in points) / len(points)
+    mean_r = sum(r for _, r in points) / len(points)
+    spread = sum((t - mean_t) ** 2 for t, _ in points)
+    return sum((t - mean_t) * (r - mean_r) for t, r in points) / spread if spread else 0.0
+
+
+class Planner:
+    def __init__(self, cfg: PlannerConfig, profile: StepProfile) -> None:
+        self.cfg = cfg
+        self.profile = profile
+        self.prefill_rank_tokens_per_s = prefill_tokens_per_s(profile, cfg.prefill_chunk_tokens)
+        self._rates: deque[tuple[float, float]] = deque(maxlen=TREND_POINTS)
+        self._needs: deque[tuple[float, PoolSizes]] = deque()
+        self._prompt_tokens, self._output_tokens = DEFAULT_PROMPT_TOKENS, DEFAULT_OUTPUT_TOKENS
+
+    def decide(self, traffic: Traffic, current: PoolSizes, at_s: float) -> Decision:
+        cfg = self.cfg
+        self._rates.append((at_s, traffic.request_rate))
+        if traffic.request_rate > 0:
+            self._prompt_tokens, self._output_tokens = traffic.mean_prompt_tokens, traffic.mean_output_tokens
+        # Rising load is planned for where it will be once a new worker is up; falling load, where it is now.
+        rate = max(traffic.request_rate, traffic.request_rate + rate_trend(list(self._rates)) * cfg.lookahead_s)
+
+        prefill_ranks = rate * self._prompt_tokens / (self.prefill_rank_tokens_per_s * cfg.prefill_utilization)
+        decode = decode_capacity(self.profile, cfg.slo_itl_s * cfg.itl_headroom,
+                                 self._prompt_tokens + self._output_tokens / 2, cfg.max_decode_batch)
+        decode_ranks = rate * self._output_tokens / decode.tokens_per_s
+        needed = PoolSizes(math.ceil(prefill_ranks / cfg.prefill_ranks_per_worker - 1e-9),
+                           math.ceil(decode_ranks / cfg.decode_ranks_per_worker - 1e-9))
+        reasons = [(f"rate {traffic.request_rate:.2f}/s -> {rate:.2f}/s planned, prompt {self._prompt_tokens:.0f} "
+                    f"output {self._output_tokens:.0f} tokens; decode batch {decode.batch} at "
+                    f"{decode.step_s * 1e3:.1f} ms/step")]
+        if not decode.meets_itl:
+            reasons.append("one sequence alone steps slower than the ITL target: no pool size meets it")
+        if traffic.ttft_p99_s > cfg.slo_ttft_s and needed.prefill <= current.prefill:
+            needed = PoolSizes(current.prefill + 1, needed.decode)
+            reasons.append(f"TTFT p99 {traffic.ttft_p99_s:.2f} s over target: one prefill worker more")
+        if traffic.itl_p99_s > cfg.slo_itl_s and needed.decode <= current.decode:
+            needed = PoolSizes(needed.prefill, current.decode + 1)
+            reasons.append(f"ITL p99 {traffic.itl_p99_s * 1e3:.0f} ms over target: one decode worker more")
+
+        self._needs.append((at_s, needed))
+        while self._needs[0][0] < at_s - cfg.scale_down_window_s:
+            self._needs.popleft()
+        target = PoolSizes(
+            min(max(max(n.prefill for _, n in self._needs), cfg.min_prefill), cfg.max_prefill),
+            min(max(max(n.decode for _, n in self._needs), cfg.min_decode), cfg.max_decode))
+        return Decision(at_s, rate, needed, target, tuple(reasons))

@@ -1,0 +1,45 @@
+"""What the planner reads from the routers: requests, their lengths and latency quantiles between two scrapes of
+real routers' /metrics, summed over routers."""
+
+import time
+
+import httpx
+import pytest
+
+from pdserve.planner.traffic import RouterCounters, Traffic, histogram_quantile, scrape_routers
+
+TIMEOUT_S = 60.0
+
+
+def test_histogram_quantile_interpolates_within_the_bucket_of_the_rank():
+    buckets = ((0.1, 50.0), (0.2, 90.0), (0.4, 100.0), (float("inf"), 100.0))
+    assert histogram_quantile(buckets, 0.5) == pytest.approx(0.1)
+    assert histogram_quantile(buckets, 0.7) == pytest.approx(0.15)
+    assert histogram_quantile(buckets, 0.99) == pytest.approx(0.2 + 0.2 * 9 / 10)
+
+
+def test_a_router_that_restarted_between_scrapes_reads_as_no_traffic_not_negative():
+    later = RouterCounters(10.0, 3.0, 300.0, 30.0, ((1.0, 3.0), (float("inf"), 3.0)), ())
+    earlier = RouterCounters(0.0, 50.0, 5000.0, 500.0, ((1.0, 50.0), (float("inf"), 50.0)), ())
+    traffic = Traffic.between(earlier, later)
+    assert traffic.request_rate == 0.0 and traffic.mean_prompt_tokens == 0.0 and traffic.itl_p99_s == 0.0
+
+
+def test_requests_through_a_real_router_are_counted_with_their_lengths(pd_cluster):
+    url = pd_cluster.url
+    model = httpx.get(url + "/v1/models", timeout=TIMEOUT_S).json()["data"][0]["id"]
+    earlier = scrape_routers([url], time.monotonic())
+    for prompt_len, max_tokens in ((20, 4), (40, 8), (60, 12)):
+        response = httpx.post(url + "/v1/completions", timeout=TIMEOUT_S, json={
+            "model": model, "prompt": list(range(5, 5 + prompt_len)), "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": max_tokens == 8})
+        assert response.status_code == 200, response.text
+    # The same router twice: a planner in front of two routers sums them.
+    later = scrape_routers([url, url], time.monotonic())
+    once = scrape_routers([url], later.at_s)
+    traffic = Traffic.between(earlier, once)
+    assert traffic.request_rate * traffic.duration_s == pytest.approx(3)
+    assert traffic.mean_prompt_tokens == pytest.approx(40)
+    assert traffic.mean_output_tokens == pytest.approx(8)
+    assert 0 < traffic.ttft_p99_s < TIMEOUT_S and 0 < traffic.itl_p99_s < TIMEOUT_S
+    assert later.requests == pytest.approx(2 * once.requests)
