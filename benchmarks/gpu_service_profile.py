@@ -11,7 +11,7 @@ Load, after a short warm-up whose steps are not used:
            batch decodes together for a while. Only the cell's decode-only steps at its full batch are used.
 A cell whose estimated time would pass --deadline-s is skipped and said so; the fit names the grid points left
 without steps. Written to --out: service-profile.json (the profile), service-profile-run.json (every phase and the
-comparison), step-trace.jsonl.rank0 (the trace) and logs/ (the cluster's logs and the rank actors' Ray logs).
+comparison), step-trace.jsonl.both.rank0 (the trace) and logs/ (the cluster's logs and the rank actors' Ray logs).
 
     python benchmarks/gpu_service_profile.py --out $OUT                  # one GPU, DeepSeek-V2-Lite shape, random bf16
     python benchmarks/gpu_service_profile.py --smoke --out /tmp/profile  # CPU smoke run: tiny model, small sizes
@@ -245,7 +245,7 @@ def main() -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     trace_flag = out / "step-trace.jsonl"
-    trace = Path(rank_trace_path(str(trace_flag), 0))
+    trace = Path(rank_trace_path(str(trace_flag), "both", 0))
     trace.unlink(missing_ok=True)
     kernel = StepProfile.load(args.kernel_profile)
     cfg = cluster_config(args, sizes, trace_flag, out / "logs")

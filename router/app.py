@@ -87,7 +87,9 @@ def build_router_app(config: RouterConfig, discovery: Discovery | None = None) -
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        # Idle connections to workers are kept 30 s (httpx: 5 s), less than a worker keeps them (KEEP_ALIVE_S).
+        http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                                                     keepalive_expiry=30.0),
                                  headers=bearer_headers(config.internal_token))
         worker_discovery = discovery if discovery is not None else make_discovery(config)
         index = PrefixIndex(pending_ttl_s=config.pending_assignment_ttl_s)

@@ -24,9 +24,10 @@ class StepRecord:
     turn_ms: float  # from the step's start to the next step's start, or to the loop's return to idle
 
 
-def rank_trace_path(path: str, rank: int) -> str:
-    """The file rank `rank` of a worker started with `--step-trace PATH` writes."""
-    return f"{path}.rank{rank}"
+def rank_trace_path(path: str, role: str, rank: int) -> str:
+    """The file rank `rank` of a `role` worker started with `--step-trace PATH` writes: the prefill and the decode
+    worker of a pair given the same flags write apart."""
+    return f"{path}.{role}.rank{rank}"
 
 
 class StepTrace:

@@ -6,7 +6,12 @@ reading a response and hold it (and what serves it) for ever.
   opened, for a connection's first request); else the client gets a 408 and the connection is closed (the app, if
   it was reading the body, sees the client leave).
 - Where `send_stall_timeout_s` is set, a response the client has stopped taking (the transport's send buffer stays
-  above its high-water mark for that long) is cut: the connection is aborted, as if the client had left."""
+  above its high-water mark for that long) is cut: the connection is aborted, as if the client had left.
+
+An idle kept-alive connection is closed after KEEP_ALIVE_S (uvicorn's default is 5 s), longer than its clients keep
+one (httpx: 5 s, the router's worker pool: 30 s): with both at 5 s a client can send a request on a connection the
+server is closing that instant, and the request fails with a ReadError (seen in service: the router then took its
+only worker for unreachable)."""
 
 import asyncio
 from dataclasses import dataclass
@@ -16,6 +21,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+KEEP_ALIVE_S = 65.0
 _TIMEOUT_BODY = b'{"error":{"message":"request not received in time","type":"invalid_request_error","code":"request_timeout"}}'
 _REQUEST_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
                             b"content-length: %d\r\n\r\n%s" % (len(_TIMEOUT_BODY), _TIMEOUT_BODY))

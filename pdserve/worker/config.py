@@ -45,9 +45,9 @@ class WorkerConfig:
     warmup: bool = setting(True, "run every kernel variant once before reporting ready")
     stuck_step_timeout_s: float = setting(300.0, "a rank whose step loop has not moved on for this long is unhealthy "
                                                  "(a long step is not)")
-    step_trace: str = setting("", "append one JSON line per busy engine step to this file (rank N writes FILE.rankN; "
-                                  "one file per worker): the step's shape and the step loop's turn time, from "
-                                  "warm-up's end on (docs/simulation.md)", parse=os.path.abspath)
+    step_trace: str = setting("", "append one JSON line per busy engine step to this file (rank N of a ROLE "
+                                  "worker writes FILE.ROLE.rankN): the step's shape and the step loop's turn time, "
+                                  "from warm-up's end on (docs/simulation.md)", parse=os.path.abspath)
     test_step_delay_s: float = setting(0.0, "test hook: each step after warm-up sleeps this long first", hidden=True)
 
     @property

@@ -12,7 +12,7 @@ import uvicorn
 from pdserve.disagg.guard import HandoffGuard
 from pdserve.discovery.endpoints import Discovery, FileDiscovery, KubernetesDiscovery, StaticDiscovery
 from pdserve.http.internal_auth import bearer_headers
-from pdserve.http.slow_clients import SlowClientLimits, bounded_h11
+from pdserve.http.slow_clients import KEEP_ALIVE_S, SlowClientLimits, bounded_h11
 from pdserve.model.config import ModelConfig
 from pdserve.wire.client import WorkerClient
 from pdserve.wire.protocol import API_VERSION, RankInfo, Reservation, ReservationQuery, WorkerInfo
@@ -49,7 +49,7 @@ def run_worker(cfg: WorkerConfig) -> None:
     # No send-stall bound here: the router reads a stream only as fast as its client does, and cuts it (and so
     # this stream) when that client stalls; a bound here would take a slow client for a failed worker.
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
-                            timeout_graceful_shutdown=SHUTDOWN_AFTER_DRAIN_S,
+                            timeout_graceful_shutdown=SHUTDOWN_AFTER_DRAIN_S, timeout_keep_alive=KEEP_ALIVE_S,
                             http=bounded_h11(SlowClientLimits(cfg.request_read_timeout_s)))
     DrainingServer(config, gate, cfg.drain_timeout_s).run()
     print("pdserve worker: drained, exiting", flush=True)

@@ -82,7 +82,7 @@ class RankConfig:
     warmup: bool = True  # run every kernel variant once before the rank reports ready
     test_step_delay_s: float = 0.0  # test hook: after warm-up each step first sleeps this long (a slow kernel)
     clock_margin_s: float = CLOCK_MARGIN_S  # how far host clocks may disagree, for write deadlines
-    step_trace: str = ""  # trace each busy step to this path's `.rank{rank}` file once warmed up (step_trace.py)
+    step_trace: str = ""  # trace each busy step to this path's `.{role}.rank{rank}` file once warmed up (step_trace.py)
 
 
 class _EnginePort:
@@ -311,7 +311,7 @@ class RankRuntime:
             log.info("rank %s warmed up in %.1f s", self.cfg.rank, self.warmup_s)
         self.steps.test_step_delay_s = self.cfg.test_step_delay_s
         if self.cfg.step_trace:  # warm-up's steps (kernels compiling) are no step's cost in service
-            self.steps.trace = StepTrace(rank_trace_path(self.cfg.step_trace, self.cfg.rank))
+            self.steps.trace = StepTrace(rank_trace_path(self.cfg.step_trace, self.cfg.role, self.cfg.rank))
 
     # --- on the step thread -----------------------------------------------------------------------------------
     def _route_output(self, output: RequestOutput) -> None:

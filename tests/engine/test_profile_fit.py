@@ -94,6 +94,6 @@ def test_the_service_profile_script_measures_and_fits_a_profile_on_the_cpu(tmp_p
     profile = StepProfile.load(tmp_path / "service-profile.json")
     assert profile.decode_batches == [1, 4] and len(profile.decode_contexts) == 2
     assert profile.prefill_tokens[0] == 1 and len(profile.prefill_tokens) == 4
-    assert read_trace(tmp_path / "step-trace.jsonl.rank0")
+    assert read_trace(tmp_path / "step-trace.jsonl.both.rank0")
     assert list((tmp_path / "logs").rglob("both-0.log"))
     assert "| decode batch 4 ctx 76 |" in run.stdout and "skip" not in run.stdout

@@ -112,8 +112,8 @@ def test_a_worker_started_with_step_trace_writes_its_ranks_file(tiny_v2, tmp_pat
         response = httpx.post(cluster.url + "/v1/completions", timeout=TIMEOUT_S, json={
             "model": model, "prompt": list(range(7, 7 + 45)), "max_tokens": 5, "temperature": 0, "ignore_eos": True})
         assert response.status_code == 200, response.text
-    records = read_trace(rank_trace_path(str(trace), 0))
+    records = read_trace(rank_trace_path(str(trace), "both", 0))
     # The 45-token prompt in budget-sized chunks (the last samples the first token), then four one-token decodes.
     assert [(r.shape.prefill_tokens, r.shape.decode_batch, r.shape.decode_context) for r in records] == [
         (16, 0, 0), (16, 0, 0), (13, 0, 0), (0, 1, 46), (0, 1, 47), (0, 1, 48), (0, 1, 49)]
-    assert Path(rank_trace_path(str(trace), 0)).read_bytes().endswith(b"\n")
+    assert Path(rank_trace_path(str(trace), "both", 0)).read_bytes().endswith(b"\n")

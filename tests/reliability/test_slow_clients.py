@@ -21,7 +21,8 @@ SLACK_S = 5.0  # on top of a bound: a 2-core box shared with other jobs
 TRICKLE_INTERVAL_S = 0.5
 NORMAL_TIMEOUT_S = 10.0
 STALLED_CONNECTIONS = 200
-LONG_STREAM_TOKENS = 4000  # many seconds of generation for the tiny model on CPU: still running when cut
+LONG_STREAM_TOKENS = 4000
+CLIENT_KEEPALIVE_S = 5.0  # httpx's default expiry of an idle pooled connection  # many seconds of generation for the tiny model on CPU: still running when cut
 
 
 def flag(args: tuple[str, ...], name: str) -> float:
@@ -190,6 +191,26 @@ def test_trickled_or_stalled_body_gets_408_within_the_read_bound(pd_cluster, mod
     stalled = lambda: slow_request(pd_cluster.url, first)  # noqa: E731
     for result in while_slow_clients(pd_cluster.url, model, trickled, stalled):
         assert_timed_out(result, bound_s)
+
+
+def test_idle_kept_alive_connection_outlives_a_clients_expiry(pd_cluster, cluster_stays_well):
+    """A server that closes an idle connection when its client would still reuse it (both at httpx's and uvicorn's
+    5 s) makes that client's next request fail; router and worker keep one open for longer."""
+    import http.client
+
+    idle_s = CLIENT_KEEPALIVE_S + 1.0
+    connections = [http.client.HTTPConnection(*address(url), timeout=10) for url in
+                   (pd_cluster.url, pd_cluster.workers[0].url)]
+    for connection in connections:
+        connection.request("GET", "/health")
+        connection.getresponse().read()
+    sockets = [connection.sock for connection in connections]
+    time.sleep(idle_s)
+    for connection, sock in zip(connections, sockets, strict=True):
+        connection.request("GET", "/health")  # on the same socket: http.client reconnects only once it is closed
+        assert connection.sock is sock
+        assert connection.getresponse().status == 200  # a closed connection raises RemoteDisconnected here
+        connection.close()
 
 
 def test_many_stalled_connections_hold_up_nothing_and_all_get_408(pd_cluster, model, cluster_stays_well):
