@@ -1,7 +1,11 @@
 """Measures a step profile in service: one `both` worker with its step trace on (docs/simulation.md) serves
 calibration load through the router's OpenAI API, and the trace is fitted into a profile the simulated engine loads
 (`--engine simulated --profile FILE`). A kernel profile times the GPU step alone; this one carries the host's work
-around every step (scheduling, sampling, streaming outputs to the HTTP edge, the Ray hop).
+around every step (scheduling, sampling, streaming outputs to the HTTP edge, the Ray hop). With `--deployment pd` a
+prefill and a decode worker share the one GPU (half of it each in Ray's books, --pd-pages KV pages each): prefill
+points come from the prefill worker's trace, decode points from the decode worker's, whose steady steps run while
+the prefill worker is idle, so they time a decode rank as P/D runs it (KV arriving over NIXL, the hand-off's
+receiver on its event loop).
 
 Load, after a short warm-up whose steps are not used:
   prefill  single prompts (--prefill-prompts, each --prefill-repeats times, one at a time, one output token): a step
@@ -9,11 +13,13 @@ Load, after a short warm-up whose steps are not used:
   decode   for each concurrency x prompt length, that many requests at once, each making the same number of tokens
            (ignore_eos): at least --output-tokens, and twice the steps the cell's prefills take, so that the whole
            batch decodes together for a while. Only the cell's decode-only steps at its full batch are used.
-A cell whose estimated time would pass --deadline-s is skipped and said so; the fit names the grid points left
-without steps. Written to --out: service-profile.json (the profile), service-profile-run.json (every phase and the
-comparison), step-trace.jsonl.both.rank0 (the trace) and logs/ (the cluster's logs and the rank actors' Ray logs).
+A cell whose estimated time would pass --deadline-s, or whose batch the KV pool cannot hold at once, is skipped and
+said so; the fit names the grid points left without steps. Written to --out: service-profile.json (the profile),
+service-profile-run.json (every phase and the comparison), step-trace.jsonl.ROLE.rank0 (the traces) and logs/ (the
+cluster's logs and the rank actors' Ray logs).
 
     python benchmarks/gpu_service_profile.py --out $OUT                  # one GPU, DeepSeek-V2-Lite shape, random bf16
+    python benchmarks/gpu_service_profile.py --deployment pd --out $OUT  # the same as a P/D pair on one GPU
     python benchmarks/gpu_service_profile.py --smoke --out /tmp/profile  # CPU smoke run: tiny model, small sizes
 """
 
@@ -45,6 +51,7 @@ V2_LITE = Path(__file__).resolve().parents[1] / "pdserve" / "model" / "configs" 
 STOP_RESERVE_S = 45.0  # kept free at the end: fitting, stopping the cluster, copying its logs
 RAY_LOGS = Path("/tmp/ray/session_latest/logs")  # the rank actors log here: the cluster's Ray, the latest as it starts
 RAY_LOG_BYTES = 1_000_000  # the tail kept of each
+ROLES = {"both": dict(num_prefill=0, num_decode=0, num_both=1), "pd": dict(num_prefill=1, num_decode=1, num_both=0)}
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,10 @@ class Phase:
     def label(self) -> str:
         return f"{self.kind} c={self.concurrency} p={self.prompt} out={self.output_tokens} n={self.requests}"
 
+    def pages(self, page_size: int) -> int:
+        """KV pages the cell's whole batch holds at its end."""
+        return self.concurrency * math.ceil((self.prompt + self.output_tokens) / page_size)
+
     def steady(self, record: StepRecord) -> bool:
         """A step this phase measures: one prompt's chunk alone, or a decode-only step of the whole batch."""
         shape = record.shape
@@ -98,14 +109,20 @@ def say(event: str, **fields) -> None:
     print(f"[{time.monotonic() - T0:6.1f}s] {event} {text}".rstrip(), flush=True)
 
 
-def plan(sizes: Sizes) -> list[Phase]:
+def plan(sizes: Sizes, kernel: StepProfile, deployment: str) -> list[Phase]:
     budget = sizes.max_num_batched_tokens
     phases = [Phase("warm-up", min(4, sizes.max_num_seqs), sizes.prompts[0], 8, min(4, sizes.max_num_seqs)),
               Phase("warm-up", 1, max(sizes.prefill_prompts), 2, 1)]
     phases += [Phase("prefill", 1, prompt, 1, sizes.prefill_repeats) for prompt in sizes.prefill_prompts]
     for concurrency in sizes.concurrency:
         for prompt in sizes.prompts:
-            output_tokens = max(sizes.output_tokens, 2 * math.ceil(concurrency * prompt / budget))
+            # Decode runs twice as long as the batch's prefills take, so that the whole batch decodes together for a
+            # while: one decode step per prefill chunk where one worker runs both, as many as fit in a chunk's time
+            # where a decode worker steps on while the prefill worker works through the chunks.
+            prefill_tokens = concurrency * prompt
+            per_chunk = 1 if deployment == "both" else math.ceil(
+                kernel.prefill_step_ms(min(prefill_tokens, budget)) / kernel.decode_step_ms(concurrency, prompt))
+            output_tokens = max(sizes.output_tokens, 2 * math.ceil(prefill_tokens / budget) * per_chunk)
             phases.append(Phase("decode", concurrency, prompt, output_tokens, concurrency))
     return phases
 
@@ -161,7 +178,15 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def cluster_config(args: argparse.Namespace, sizes: Sizes, trace: Path, log_dir: Path) -> ClusterConfig:
+def traces(out: Path, deployment: str) -> dict[str, Path]:
+    """The trace each phase kind's steps are read from: the worker that runs them."""
+    roles = {"warm-up": "both", "prefill": "both", "decode": "both"} if deployment == "both" else \
+        {"warm-up": "decode", "prefill": "prefill", "decode": "decode"}
+    return {kind: Path(rank_trace_path(str(out / "step-trace.jsonl"), role, 0)) for kind, role in roles.items()}
+
+
+def cluster_config(args: argparse.Namespace, sizes: Sizes, kernel: StepProfile, trace: Path,
+                   log_dir: Path) -> ClusterConfig:
     from pdserve.model.tiny import make_config_only_model, make_tiny_model
 
     if args.smoke:
@@ -171,38 +196,51 @@ def cluster_config(args: argparse.Namespace, sizes: Sizes, trace: Path, log_dir:
         model = make_config_only_model(tempfile.mkdtemp(prefix="service-profile-model-"),
                                        json.loads(Path(args.config).read_text()))
         device = ["--device", args.device, "--load-format", "random", "--gpus-per-rank", "1"]
-    longest = max(max(sizes.prefill_prompts) + 1, max(p.prompt + p.output_tokens for p in plan(sizes)))
+        if args.deployment == "pd":  # both workers on the one GPU
+            device += ["--gpus-per-rank", "0.5", "--num-pages", str(args.pd_pages)]
+    longest = max(max(sizes.prefill_prompts) + 1, max(p.prompt + p.output_tokens for p in plan(sizes, kernel, args.deployment)))
     worker_args = [*device, "--page-size", str(sizes.page_size), "--max-num-seqs", str(sizes.max_num_seqs),
                    "--max-num-batched-tokens", str(sizes.max_num_batched_tokens),
                    "--max-model-len", str(longest + sizes.page_size), "--no-prefix-cache", "--step-trace", str(trace),
                    *args.worker_args.split()]
     start_timeout_s = max(30.0, args.deadline_s - (time.monotonic() - T0) - STOP_RESERVE_S - 30.0)
-    return ClusterConfig(str(model), port=0, num_prefill=0, num_decode=0, num_both=1, worker_args=tuple(worker_args),
-                         start_timeout_s=start_timeout_s, log_dir=str(log_dir))
+    return ClusterConfig(str(model), port=0, worker_args=tuple(worker_args), start_timeout_s=start_timeout_s,
+                         log_dir=str(log_dir), **ROLES[args.deployment])
 
 
-def calibrate(cluster: LocalCluster, args: argparse.Namespace, sizes: Sizes, kernel: StepProfile, trace: Path,
-              record: dict) -> list[StepRecord]:
+def calibrate(cluster: LocalCluster, args: argparse.Namespace, sizes: Sizes, kernel: StepProfile,
+              trace_of: dict[str, Path], record: dict) -> list[StepRecord]:
     """Runs every phase that fits before the deadline; returns the steps the phases measure."""
-    info = httpx.get(cluster.workers[0].url + "/internal/v1/info", headers=bearer_headers(cluster.internal_token),
+    decoder = next(w for w in cluster.workers if not w.name.startswith("prefill"))
+    info = httpx.get(decoder.url + "/internal/v1/info", headers=bearer_headers(cluster.internal_token),
                      timeout=10).json()
-    say("worker-ready", pool_tokens=sum(r["num_pages"] for r in info["ranks"]) * sizes.page_size)
+    pool_pages = min(r["num_pages"] for r in info["ranks"])
+    say("worker-ready", pool_tokens=pool_pages * sizes.page_size)
     used: list[StepRecord] = []
+    seen = {path: 0 for path in set(trace_of.values())}
     # Wall time over the kernel profile's prediction: the largest seen in a decode cell so far; before any, about
     # twice (what service adds to the kernel) and some.
-    slowdown, seen = 3.0, 0
-    for index, phase in enumerate(plan(sizes)):
+    slowdown = 3.0
+    for index, phase in enumerate(plan(sizes, kernel, args.deployment)):
         left_s = args.deadline_s - (time.monotonic() - T0) - STOP_RESERVE_S
         estimate_s = phase.predicted_s(kernel, sizes.max_num_batched_tokens) * slowdown + 3.0
         if phase.kind != "warm-up" and estimate_s > left_s:
             say("skip", phase=phase.label, estimate_s=estimate_s, left_s=left_s, reason="deadline")
             record["skipped"].append(phase.label)
             continue
+        if phase.pages(sizes.page_size) > pool_pages:  # the batch would never be whole: no steady step
+            say("skip", phase=phase.label, pages=phase.pages(sizes.page_size), pool_pages=pool_pages, reason="kv")
+            record["skipped"].append(phase.label)
+            continue
         started = time.monotonic()
         outcome = run_phase(cluster.url, phase, sizes, seed=index, limit_s=max(10.0, left_s))
         wall_s = time.monotonic() - started
-        records = settled_trace(trace)
-        steps, seen = records[seen:], len(records)
+        steps: list[StepRecord] = []
+        for path in seen:  # every trace moves on; the phase's steps are in its own
+            records = settled_trace(path)
+            if path == trace_of[phase.kind]:
+                steps = records[seen[path]:]
+            seen[path] = len(records)
         steady = [r for r in steps if phase.steady(r)]
         median_ms = statistics.median(r.turn_ms for r in steady) if steady else float("nan")
         if phase.kind != "warm-up":
@@ -240,15 +278,19 @@ def main() -> int:
     parser.add_argument("--kernel-profile", default=str(DEFAULT_PROFILE), help="compared against; its KV figures "
                                                                                 "are copied into the fit")
     parser.add_argument("--worker-args", default="", help="extra `pdserve worker` flags, space-separated")
+    parser.add_argument("--deployment", choices=tuple(ROLES), default="both", help="one `both` worker, or a "
+                                                                                    "prefill and a decode worker")
+    parser.add_argument("--pd-pages", type=int, default=12_000, help="KV pages per worker when a P/D pair shares "
+                                                                     "the GPU")
     args = parser.parse_args()
     sizes = SMOKE if args.smoke else GPU
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    trace_flag = out / "step-trace.jsonl"
-    trace = Path(rank_trace_path(str(trace_flag), "both", 0))
-    trace.unlink(missing_ok=True)
+    trace_of = traces(out, args.deployment)
+    for path in trace_of.values():
+        path.unlink(missing_ok=True)
     kernel = StepProfile.load(args.kernel_profile)
-    cfg = cluster_config(args, sizes, trace_flag, out / "logs")
+    cfg = cluster_config(args, sizes, kernel, out / "step-trace.jsonl", out / "logs")
     record: dict = {"sizes": asdict(sizes), "worker_args": list(cfg.worker_args), "phases": [], "skipped": []}
     say("start", out=str(out), smoke=args.smoke, deadline_s=args.deadline_s)
     cluster, used, failed, ray_logs = LocalCluster(cfg), [], False, None
@@ -256,7 +298,7 @@ def main() -> int:
         cluster.start()
         ray_logs = RAY_LOGS.resolve()
         say("cluster-up", router=cluster.url)
-        used = calibrate(cluster, args, sizes, kernel, trace, record)
+        used = calibrate(cluster, args, sizes, kernel, trace_of, record)
     except BaseException:  # noqa: BLE001 - report it, then fit what was measured
         failed = True
         say("failed", error=traceback.format_exc())
@@ -266,8 +308,9 @@ def main() -> int:
         cluster.stop()
         copy_ray_logs(ray_logs or RAY_LOGS.resolve(), out / "logs" / "ray")  # a failed start: most likely ours
         say("cluster-stopped")
-    source = (f"measured in service by benchmarks/gpu_service_profile.py: one `both` worker ({' '.join(cfg.worker_args)}"
-              f"), the step loop's turn per busy step; trace {trace.name}")
+    workers = "one `both` worker" if args.deployment == "both" else "a prefill and a decode worker on one GPU"
+    source = (f"measured in service by benchmarks/gpu_service_profile.py: {workers} ({' '.join(cfg.worker_args)}), "
+              f"the step loop's turn per busy step; traces {', '.join(sorted({p.name for p in trace_of.values()}))}")
     served = "the tiny model on the CPU (smoke run)" if args.smoke else f"{Path(args.config).name}, random weights"
     try:
         fit = fit_profile(used, kernel, fit_grid(sizes), f"in service: {served}", source)
