@@ -42,7 +42,7 @@ from pdserve.bench.runner import run_benchmark
 from pdserve.bench.workload import LengthRange, WorkloadConfig
 from pdserve.cluster.local import ClusterConfig, LocalCluster
 from pdserve.engine.profile_fit import FitGrid, fit_profile
-from pdserve.engine.simulated import DEFAULT_PROFILE, StepProfile
+from pdserve.engine.step_profile import DEFAULT_PROFILE, StepProfile
 from pdserve.engine.step_trace import StepRecord, rank_trace_path, read_trace
 from pdserve.http.internal_auth import bearer_headers
 

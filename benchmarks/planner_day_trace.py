@@ -34,7 +34,7 @@ from pdserve.bench.workload import LengthRange, generate_workload
 from pdserve.cli.generate import default_model_dir
 from pdserve.cluster.inprocess import InProcessCluster
 from pdserve.cluster.layout import ClusterConfig
-from pdserve.engine.simulated import DEFAULT_PROFILE, StepProfile
+from pdserve.engine.step_profile import DEFAULT_PROFILE, StepProfile
 from pdserve.planner.config import PlannerConfig
 from pdserve.planner.loop import router_urls_now, run_planner
 from pdserve.planner.policy import Planner

@@ -34,6 +34,14 @@
 {{- end }}
 {{- end }}
 
+{{- define "pdserve.plannerServiceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- printf "%s-planner" (include "pdserve.serviceAccountName" .) }}
+{{- else }}
+{{- default (include "pdserve.serviceAccountName" .) .Values.serviceAccount.plannerName }}
+{{- end }}
+{{- end }}
+
 {{- define "pdserve.routerImage" -}}
 {{- printf "%s:%s" .Values.image.routerRepository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
@@ -58,6 +66,11 @@ The router lists pods matching this selector. Only serving worker pods carry pds
 */}}
 {{- define "pdserve.discoverySelector" -}}
 {{- printf "app.kubernetes.io/instance=%s,app.kubernetes.io/name=%s,pdserve.io/role" .Release.Name (include "pdserve.name" .) }}
+{{- end }}
+
+{{/* The planner finds the routers, whose /metrics it reads, by this selector. */}}
+{{- define "pdserve.routerSelector" -}}
+{{- printf "app.kubernetes.io/instance=%s,app.kubernetes.io/name=%s,app.kubernetes.io/component=router" .Release.Name (include "pdserve.name" .) }}
 {{- end }}
 
 {{- define "pdserve.serviceAccountName" -}}

@@ -17,7 +17,7 @@ def main_planner(args: argparse.Namespace) -> int:
     import threading
 
     from pdserve.discovery.endpoints import Discovery, KubernetesDiscovery, StaticDiscovery
-    from pdserve.engine.simulated import DEFAULT_PROFILE, StepProfile
+    from pdserve.engine.step_profile import DEFAULT_PROFILE, StepProfile
     from pdserve.planner.config import planner_config_from_args
     from pdserve.planner.loop import router_urls_now, run_planner
     from pdserve.planner.policy import Planner, PoolSizes

@@ -16,7 +16,8 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import SampleResult, sample
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
-from pdserve.engine.simulated import DEFAULT_PROFILE, SimulatedRunner, StepProfile
+from pdserve.engine.simulated import SimulatedRunner
+from pdserve.engine.step_profile import DEFAULT_PROFILE, StepProfile
 from pdserve.engine.step_shape import StepShape, step_shape
 from pdserve.model.config import ModelConfig
 from pdserve.model.deepseek import DeepseekForCausalLM

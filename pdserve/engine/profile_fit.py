@@ -1,4 +1,4 @@
-"""Fits a step profile (the JSON simulated.py's StepProfile loads) to a step trace taken in service (step_trace.py),
+"""Fits a step profile (the JSON that step_profile.py loads) to a step trace taken in service (step_trace.py),
 so that a simulated step costs what a worker's step loop took per step, host work included.
 
 Each grid point is the median turn time of the steps nearest to it: decode-only steps for the decode grid (by batch
@@ -14,7 +14,7 @@ import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pdserve.engine.simulated import StepProfile
+from pdserve.engine.step_profile import StepProfile
 from pdserve.engine.step_trace import StepRecord
 
 

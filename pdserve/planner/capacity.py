@@ -4,7 +4,7 @@ fits the inter-token latency target, with the tokens per second that batch produ
 
 from dataclasses import dataclass
 
-from pdserve.engine.simulated import StepProfile
+from pdserve.engine.step_profile import StepProfile
 
 
 @dataclass(frozen=True)

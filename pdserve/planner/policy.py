@@ -7,7 +7,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from pdserve.engine.simulated import StepProfile
+from pdserve.engine.step_profile import StepProfile
 from pdserve.planner.capacity import decode_capacity, prefill_tokens_per_s
 from pdserve.planner.config import PlannerConfig
 from pdserve.planner.traffic import Traffic

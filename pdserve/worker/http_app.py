@@ -155,8 +155,8 @@ def build_worker_app(cfg: WorkerConfig, ranks: RankSet, info: WorkerInfo, guard:
 
         async def lines() -> AsyncIterator[bytes]:
             try:
-                async for event in handle.generate(body, reservation):
-                    yield msgspec.json.encode(event) + b"\n"
+                async for events in handle.generate(body, reservation):  # what has come goes out in one write
+                    yield b"".join(msgspec.json.encode(event) + b"\n" for event in events)
             except Exception as error:  # noqa: BLE001 - a dead rank ends the stream with an error event
                 event = TokenEvent(body.request_id, [], finish_reason="error", error=f"rank {body.rank} failed: {error}")
                 yield msgspec.json.encode(event) + b"\n"

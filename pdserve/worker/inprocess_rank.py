@@ -34,9 +34,9 @@ class InProcessRank:
         return runtime.info()
 
     async def generate(self, request: GenerateRequest,
-                       reservation: Reservation | None = None) -> AsyncIterator[TokenEvent]:
+                       reservation: Reservation | None = None) -> AsyncIterator[list[TokenEvent]]:
         async for event in self._started().generate(request, reservation):
-            yield event
+            yield [event]
 
     async def abort(self, request_id: str, timeout_s: float) -> bool:
         return await asyncio.wait_for(self._started().abort(request_id), timeout_s)

@@ -1,6 +1,10 @@
 """Places a worker's DP ranks as Ray actors (a placement group: one GPU per rank on GPU hosts) and talks to them.
 
-Only msgspec-encoded bytes cross into and out of the actors.
+Only msgspec-encoded bytes cross into and out of the actors. Token events do not travel one Ray stream item per
+token: a rank's events for all its requests go out on one stream (`RankActor.events`), each item what came since
+the last, about one per engine step; the worker process sorts them into its requests' queues. At a batch of 256 a
+stream per request cost the worker's event loop one Ray item (and a cross-thread wake-up) per token, thousands a
+second, which capped what a decode worker could stream below what its GPU made (docs/benchmarks.md).
 """
 
 import asyncio
@@ -40,6 +44,10 @@ GIL_SWITCH_INTERVAL_S = 0.0005  # a collective waiting longer than this on a pee
 @ray.remote(max_restarts=MAX_RANK_RESTARTS, max_task_retries=0, max_concurrency=1000)
 class RankActor:
     def __init__(self, cfg_json: bytes):
+        self._outbox: list[TokenEvent] = []  # events not yet taken by the worker's event stream
+        self._outbox_filled = asyncio.Event()
+        self._consumer = 0  # the event stream being served; a newer call takes over from an older one
+        self._forwarding: set[asyncio.Task] = set()
         cfg = msgspec.json.decode(cfg_json, type=RankConfig)
         if cfg.engine.device == "cpu" or not torch.cuda.is_available():
             torch.set_num_threads(1)  # ranks share the host's cores; one thread each avoids oversubscription
@@ -82,11 +90,39 @@ class RankActor:
         await runtime.ready()
         return msgspec.json.encode(runtime.info())
 
-    async def generate(self, request_json: bytes, reservation_json: bytes = b"null"):
+    async def submit(self, request_json: bytes, reservation_json: bytes = b"null") -> None:
+        """Starts a request; its events come out of `events` with those of every other request."""
         request = msgspec.json.decode(request_json, type=GenerateRequest)
         reservation = msgspec.json.decode(reservation_json, type=Reservation | None)
-        async for event in self._started().generate(request, reservation):
-            yield msgspec.json.encode(event)
+        task = asyncio.create_task(self._forward(self._started(), request, reservation))
+        self._forwarding.add(task)
+        task.add_done_callback(self._forwarding.discard)
+
+    async def _forward(self, runtime: RankRuntime, request: GenerateRequest, reservation: Reservation | None) -> None:
+        try:
+            async for event in runtime.generate(request, reservation):
+                self._post(event)
+        except Exception as error:  # noqa: BLE001 - the request ends with an error event, as any failure does
+            self._post(TokenEvent(request.request_id, [], finish_reason="error",
+                                  error=f"rank {self.cfg.rank} failed: {error}"))
+
+    def _post(self, event: TokenEvent) -> None:
+        self._outbox.append(event)
+        self._outbox_filled.set()
+
+    async def events(self):
+        """Every request's events, as lists of what came since the previous item."""
+        self._consumer += 1
+        me = self._consumer
+        self._outbox_filled.set()  # an older stream wakes up, sees it is superseded and ends
+        while True:
+            await self._outbox_filled.wait()
+            if me != self._consumer:
+                return
+            self._outbox_filled.clear()
+            if self._outbox:
+                events, self._outbox = self._outbox, []
+                yield msgspec.json.encode(events)
 
     async def abort(self, request_id: str) -> bool:
         return await self._started().abort(request_id)
@@ -111,16 +147,51 @@ class RankHandle:
     def __init__(self, rank: int, actor: "ray.actor.ActorHandle"):
         self.rank = rank
         self.actor = actor
+        self._streams: dict[str, asyncio.Queue[TokenEvent]] = {}  # the requests in flight on this rank
+        self._pump: asyncio.Task | None = None  # reads the rank's event stream into `_streams`
 
     async def info(self, timeout_s: float) -> RankInfo:
         return msgspec.json.decode(await asyncio.wait_for(self.actor.info.remote(), timeout_s), type=RankInfo)
 
     async def generate(self, request: GenerateRequest,
-                       reservation: Reservation | None = None) -> AsyncIterator[TokenEvent]:
-        decoder = msgspec.json.Decoder(TokenEvent)
-        async for ref in self.actor.generate.options(num_returns="streaming").remote(
-                msgspec.json.encode(request), msgspec.json.encode(reservation)):
-            yield decoder.decode(await ref)
+                       reservation: Reservation | None = None) -> AsyncIterator[list[TokenEvent]]:
+        """The request's events, as lists of those that arrived while the caller was busy with the previous."""
+        request_id = request.request_id
+        if request_id in self._streams:
+            yield [TokenEvent(request_id, [], finish_reason="error",
+                              error=f"request id {request_id!r} is already running on this rank")]
+            return
+        stream: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._streams[request_id] = stream
+        finished = False
+        try:
+            if self._pump is None or self._pump.done():
+                self._pump = asyncio.create_task(self._read_events())
+            await self.actor.submit.remote(msgspec.json.encode(request), msgspec.json.encode(reservation))
+            while not finished:
+                events = [await stream.get()]
+                while not stream.empty():
+                    events.append(stream.get_nowait())
+                finished = events[-1].finish_reason is not None
+                yield events
+        finally:
+            del self._streams[request_id]
+            if not finished:  # the caller went away: the rank stops it (a dead rank's refusal is of no interest)
+                self.actor.abort.remote(request_id)
+
+    async def _read_events(self) -> None:
+        decoder = msgspec.json.Decoder(list[TokenEvent])
+        try:
+            async for ref in self.actor.events.options(num_returns="streaming").remote():
+                for event in decoder.decode(await ref):
+                    stream = self._streams.get(event.request_id)
+                    if stream is not None:
+                        stream.put_nowait(event)
+            message = f"rank {self.rank} ended its event stream"
+        except Exception as error:  # noqa: BLE001 - a dead rank ends its requests with an error event
+            message = f"rank {self.rank} failed: {error}"
+        for request_id, stream in self._streams.items():
+            stream.put_nowait(TokenEvent(request_id, [], finish_reason="error", error=message))
 
     async def abort(self, request_id: str, timeout_s: float) -> bool:
         return await asyncio.wait_for(self.actor.abort.remote(request_id), timeout_s)

@@ -154,13 +154,14 @@ class RankRuntime:
         self.counters = HandoffCounters()
         self._http = httpx.AsyncClient(headers=bearer_headers(cfg.internal_token))
         port = _EnginePort(self)
-        self.sender = Sender(cfg.engine.page_size, cfg.transfer_timeout_s, self.backend, port, self._emit, self.counters)
+        self.sender = Sender(cfg.engine.page_size, cfg.transfer_timeout_s, self.backend, port,
+                             lambda event: self._emit([event]), self.counters)
         self.receiver = Receiver(
             ReceiverConfig(cfg.rank, cfg.worker_url, cfg.prefill_timeout_s, cfg.transfer_timeout_s, cfg.clock_margin_s),
             self.backend, port,
             prefill_link or (lambda source: WorkerClient(source.url, self._http)), self.counters)
         self._streams: dict[str, asyncio.Queue[TokenEvent]] = {}
-        self.steps = StepLoop(self.engine, cfg.rank, self.lockstep, self._route_output, self._fail_everything)
+        self.steps = StepLoop(self.engine, cfg.rank, self.lockstep, self._route_outputs, self._fail_everything)
         self._warm_up_task: asyncio.Future | None = None
         self.warmup_s = 0.0
 
@@ -314,14 +315,17 @@ class RankRuntime:
             self.steps.trace = StepTrace(rank_trace_path(self.cfg.step_trace, self.cfg.role, self.cfg.rank))
 
     # --- on the step thread -----------------------------------------------------------------------------------
-    def _route_output(self, output: RequestOutput) -> None:
-        event = self._event(output)
-        request = self.engine.requests.get(output.request_id)
-        if output.finish_reason is not None and request is not None and request.keep_pages_on_finish:
-            assert self._loop is not None
-            self._loop.call_soon_threadsafe(self.sender.prefill_done, event, list(request.page_ids))
-        else:
-            self._emit(event)
+    def _route_outputs(self, outputs: list[RequestOutput]) -> None:
+        events: list[TokenEvent] = []
+        for output in outputs:
+            event = self._event(output)
+            request = self.engine.requests.get(output.request_id)
+            if output.finish_reason is not None and request is not None and request.keep_pages_on_finish:
+                assert self._loop is not None
+                self._loop.call_soon_threadsafe(self.sender.prefill_done, event, list(request.page_ids))
+            else:
+                events.append(event)
+        self._emit(events)
 
     def _fail_everything(self, message: str) -> None:
         # Pages a hand-off owns are left to it: a reservation may still be written, a kept prompt still read.
@@ -329,14 +333,21 @@ class RankRuntime:
         for request_id in list(self.engine.requests):
             if not (self.receiver.holds(request_id) or self.sender.holds(request_id)):
                 self.engine.abort(request_id)
-                self._emit(self._error(request_id, message))
+                self._emit([self._error(request_id, message)])
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self.sender.fail_computing, message)
 
-    def _emit(self, event: TokenEvent) -> None:
-        stream = self._streams.get(event.request_id)
-        if stream is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(stream.put_nowait, event)
+    def _emit(self, events: list[TokenEvent]) -> None:
+        """Hands a step's events to the event loop in one wake-up: one per token would cost the loop (and the GIL
+        the step thread needs) a cross-thread call for every sequence of the batch on every step."""
+        if events and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._deliver, events)
+
+    def _deliver(self, events: list[TokenEvent]) -> None:
+        for event in events:
+            stream = self._streams.get(event.request_id)
+            if stream is not None:
+                stream.put_nowait(event)
 
     def _on_notification(self, writer: str, payload: bytes) -> None:
         if self._loop is not None:  # on the transfer thread

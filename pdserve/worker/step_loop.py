@@ -52,8 +52,9 @@ class _OpenTurn:
 
 class StepLoop:
     def __init__(self, engine: Engine, rank: int, lockstep: Lockstep | None,
-                 route: Callable[[RequestOutput], None], fail_all: Callable[[str], None]):
-        """`route` gets each step's outputs, `fail_all` a message when a step raised; both on the step thread."""
+                 route: Callable[[list[RequestOutput]], None], fail_all: Callable[[str], None]):
+        """`route` gets each step's outputs at once, `fail_all` a message when a step raised; both on the step
+        thread."""
         self.engine = engine
         self.test_step_delay_s = 0.0  # test hook: each step first sleeps this long (a slow kernel)
         self.trace: StepTrace | None = None  # when set, each busy step's turn is traced (closed when the loop ends)
@@ -101,8 +102,9 @@ class StepLoop:
                     self._went_idle()
                 self._run_commands(block=idle)
                 try:
-                    for output in self._step():
-                        self._route(output)
+                    outputs = self._step()
+                    if outputs:
+                        self._route(outputs)
                 except Exception:  # noqa: BLE001 - a step failure must reach every caller, not kill the thread
                     log.exception("rank %s step failed", self._rank)
                     self._fail_all("engine step failed")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.engine.profile_fit import FitGrid, fit_profile
-from pdserve.engine.simulated import DEFAULT_PROFILE, StepProfile
+from pdserve.engine.step_profile import DEFAULT_PROFILE, StepProfile
 from pdserve.engine.step_shape import StepShape
 from pdserve.engine.step_trace import StepRecord, StepTrace, read_trace
 

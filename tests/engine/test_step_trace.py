@@ -50,9 +50,8 @@ class TracedLoop:
         self.steps.trace = StepTrace(trace_path)
         self.steps.start()
 
-    def _routed(self, output: RequestOutput) -> None:
-        if output.finish_reason is not None:
-            self.finished.append(output.request_id)
+    def _routed(self, outputs: list[RequestOutput]) -> None:
+        self.finished += [output.request_id for output in outputs if output.finish_reason is not None]
 
     def run_together(self, prompts: list[list[int]]) -> None:
         """Admits the prompts between two steps (so they are scheduled together) and waits until they are done."""

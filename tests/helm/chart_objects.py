@@ -42,6 +42,12 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "internalAuth": {"existingSecret": "my-pdserve-credentials"},
         "monitoring": {"prometheusOperator": {"enabled": True}},
     },
+    "planner": {
+        "planner": {"enabled": True, "profile": {"configMap": "v2-lite-h200-profile", "key": "h200.json"},
+                    "nodeSelector": {"pool": "cpu"}, "tolerations": [{"key": "cpu-only", "operator": "Exists"}]},
+        "pools": {"decode": {"ranks": 2}},
+        "router": {"apiKeysSecret": "pdserve-keys"},
+    },
 }
 
 

@@ -27,6 +27,9 @@ BAD_VALUES: list[tuple[dict[str, Any], str]] = [
     ({"pools": {"prefill": {"multiNode": {"enabled": True, "nodes": 1}}}},
      r"/pools/prefill/multiNode/nodes': minimum: got 1, want 2"),
     ({"router": {"service": {"type": "Ingress"}}}, r"/router/service/type': value must be one of"),
+    ({"planner": {"intervalSeconds": -30}}, r"/planner/intervalSeconds': exclusiveMinimum: got -30, want 0"),
+    ({"planner": {"slo": {"itlSeconds": 0}}}, r"/planner/slo/itlSeconds': exclusiveMinimum: got 0, want 0"),
+    ({"planner": {"minDecode": 0}}, r"/planner/minDecode': minimum: got 0, want 1"),
 ]
 
 

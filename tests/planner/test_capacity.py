@@ -2,7 +2,7 @@
 
 import pytest
 
-from pdserve.engine.simulated import DEFAULT_PROFILE, StepProfile
+from pdserve.engine.step_profile import DEFAULT_PROFILE, StepProfile
 from pdserve.planner.capacity import decode_capacity, prefill_tokens_per_s
 
 PROFILE = StepProfile.load(DEFAULT_PROFILE)

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from pdserve.engine.simulated import DEFAULT_PROFILE, StepProfile
+from pdserve.engine.step_profile import DEFAULT_PROFILE, StepProfile
 from pdserve.planner.capacity import decode_capacity, prefill_tokens_per_s
 from pdserve.planner.config import PlannerConfig
 from pdserve.planner.policy import Planner, PoolSizes, rate_trend

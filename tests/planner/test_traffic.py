@@ -5,8 +5,11 @@ import time
 
 import httpx
 import pytest
+from starlette.testclient import TestClient
 
 from pdserve.planner.traffic import RouterCounters, Traffic, histogram_quantile, scrape_routers
+from pdserve_router.app import build_router_app
+from pdserve_router.config import RouterConfig
 
 TIMEOUT_S = 60.0
 
@@ -43,3 +46,13 @@ def test_requests_through_a_real_router_are_counted_with_their_lengths(pd_cluste
     assert traffic.mean_output_tokens == pytest.approx(8)
     assert 0 < traffic.ttft_p99_s < TIMEOUT_S and 0 < traffic.itl_p99_s < TIMEOUT_S
     assert later.requests == pytest.approx(2 * once.requests)
+
+
+def test_a_router_that_requires_api_keys_serves_its_metrics_to_the_planner_without_one(tiny_model_dir):
+    """The planner sends no credential (the chart gives it none): a router's /metrics stays open, as its /health."""
+    config = RouterConfig(model_dir=str(tiny_model_dir), served_model_name="tiny", api_keys=frozenset({"sk-test"}))
+    client = TestClient(build_router_app(config))
+    assert client.get("/v1/models").status_code == 401
+    metrics = client.get("/metrics")
+    assert metrics.status_code == 200
+    assert RouterCounters.parse(0.0, [metrics.text]).requests == 0

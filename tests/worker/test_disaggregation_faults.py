@@ -114,3 +114,34 @@ def test_a_stalled_prefill_times_out_and_its_late_request_is_refused_by_the_deco
         for _ in range(3):  # the decode pool is intact: pages reused since give the same tokens
             events = disaggregated(decode.url, prefill.url, PROMPT, GREEDY)
             assert token_ids(events) == expected, events[-1]
+
+
+def test_a_caller_that_hangs_up_mid_stream_stops_its_request_on_the_rank(cluster):
+    """A rank's events reach the worker on one stream for all its requests (rank_actors.py): a caller that leaves
+    its request's stream must still stop that request on the rank, not leave it decoding for no one."""
+    import asyncio
+
+    import httpx
+    from probes import internal_headers
+
+    from pdserve.wire.client import WorkerClient
+    from pdserve.wire.protocol import GenerateRequest
+
+    _, decode = cluster.workers
+
+    async def read_some_then_leave() -> tuple[list, float]:
+        request = GenerateRequest("hangs-up", 0, PROMPT, LONG, Plan("both"))
+        async with httpx.AsyncClient(headers=internal_headers()) as http:
+            events = WorkerClient(decode.url, http).generate(request, TIMEOUT_S)
+            got = [await anext(events) for _ in range(20)]
+            started = time.monotonic()
+            got += [await anext(events) for _ in range(20)]
+            per_event_s = (time.monotonic() - started) / 20
+            await events.aclose()
+        return got, per_event_s
+
+    got, per_event_s = asyncio.run(asyncio.wait_for(read_some_then_leave(), TIMEOUT_S))
+    assert all(event.finish_reason is None for event in got)
+    left_s = (LONG.max_tokens - len(got)) * per_event_s  # how long the request would still run if not stopped
+    assert eventually(lambda: pages_at_rest(decode.url), timeout_s=min(5.0, left_s / 2)), \
+        f"the request still holds pages after its caller left (it had ~{left_s:.0f} s to run)"

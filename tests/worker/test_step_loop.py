@@ -18,7 +18,7 @@ from pdserve.worker.step_loop import StepLoop
 def loop_and_outputs(tiny_v2):
     outputs = []
     steps = StepLoop(Engine(EngineConfig(model=tiny_v2, dtype="float32", num_pages=32, progress=False)), 0, None,
-                     outputs.append, lambda message: None)
+                     outputs.extend, lambda message: None)
     steps.start()
     yield steps, outputs
     steps.stop()
