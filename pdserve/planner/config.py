@@ -4,6 +4,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Literal
 
+from pdserve.engine.config import EngineConfig
 from pdserve.settings.flags import add_flags, comma_list, from_flags, setting
 
 
@@ -26,7 +27,8 @@ class PlannerConfig:
     slo_itl_s: float = setting(0.05, "inter-token latency p99 target")
     profile: str = setting("", "step-time profile JSON of the served model on its GPU (default: DeepSeek-V2-Lite "
                                "on one H100)")
-    prefill_chunk_tokens: int = setting(8192, "tokens a prefill step takes (the workers' --max-num-batched-tokens)")
+    prefill_chunk_tokens: int = setting(EngineConfig.max_num_batched_tokens, "tokens a prefill step takes (the "
+                                        "workers' --max-num-batched-tokens; the default is theirs)")
     max_decode_batch: int = setting(256, "sequences a decode rank runs at once (the workers' --max-num-seqs)")
     prefill_utilization: float = setting(0.7, "share of a prefill rank's throughput to plan for: below 1 so prompts "
                                               "seldom queue")
