@@ -7,9 +7,13 @@ for the direct baseline, answers `/v1/completions` itself with the same tokens i
 one HTTP exchange with no routing, and router - direct is the router's overhead.
 
     python benchmarks/router_overhead.py run [--requests 400] [--tokens 64]
+    python benchmarks/router_overhead.py run --token-interval-ms 20 --concurrency 256 --requests 1024
 
-Scenarios: non-streaming at concurrency 1 and 16, streaming 64-token responses at concurrency 32. The load
-generator is httpx on asyncio in this process; on a 2-core machine it shares the cores with the router and the
+Scenarios: non-streaming at concurrency 1 and 16, streaming 64-token responses at concurrency 32, every token in one
+write (the router forwards what arrives together in one write); with --token-interval-ms, streams whose tokens come
+one write each, that far apart, as from a decode step (tokens/s the router keeps up with, and the gaps clients see). The load
+generator is aiohttp on asyncio in this process (httpx's own
+client time, ~0.7 ms a request, would hide the router's); on a 2-core machine it shares the cores with the router and the
 stand-in, as the issue's figures did.
 """
 
@@ -24,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import aiohttp
 import httpx
 import msgspec
 
@@ -46,7 +51,7 @@ TOKEN_ID = 42  # every answered token; its text is whatever the tiny tokenizer m
 
 # --- the stand-in worker ----------------------------------------------------------------------------------------
 
-def stand_in_app(token: str):
+def stand_in_app(token: str, token_interval_s: float):
     authorization = f"Bearer {token}".encode()
     health = msgspec.json.encode(WorkerHealth("ok", "both", 1))
     info = msgspec.json.encode(WorkerInfo(API_VERSION, "both", MODEL, 4096, [RankInfo(0, 16, 4096, "stand-in")]))
@@ -65,6 +70,16 @@ def stand_in_app(token: str):
         await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", content_type)]})
         await send({"type": "http.response.body", "body": body})
 
+    async def stream(send, parts: list[bytes], content_type: bytes) -> None:
+        """All parts in one write, or with token_interval_s each part its own write that long after the last."""
+        if not token_interval_s:
+            return await answer(send, 200, b"".join(parts), content_type)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", content_type)]})
+        for part in parts:
+            await asyncio.sleep(token_interval_s)
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
     async def app(scope, receive, send) -> None:
         if scope["type"] != "http":
             return
@@ -81,7 +96,9 @@ def stand_in_app(token: str):
                     "usage": {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n}}))
             chunk = b"data: " + msgspec.json.encode({"id": "cmpl-direct", "object": "text_completion", "model": MODEL,
                                                      "choices": [{"index": 0, "text": "x"}]}) + b"\n\n"
-            return await answer(send, 200, chunk * n + b"data: [DONE]\n\n", b"text/event-stream")
+            usage = b"data: " + msgspec.json.encode({"id": "cmpl-direct", "object": "text_completion", "model": MODEL,
+                                                     "choices": [], "usage": {"completion_tokens": n}}) + b"\n\n"
+            return await stream(send, [chunk] * n + [usage + b"data: [DONE]\n\n"], b"text/event-stream")
         if dict(scope["headers"]).get(b"authorization") != authorization:
             return await answer(send, 401, b"{}")
         if path == "/internal/v1/info":
@@ -102,59 +119,71 @@ def stand_in_app(token: str):
             n = request.sampling.max_tokens
             lines = [msgspec.json.encode(TokenEvent(request.request_id, [TOKEN_ID], prompt_tokens=len(
                 request.prompt_token_ids), finish_reason="length" if i == n - 1 else None)) for i in range(n)]
-            return await answer(send, 200, b"\n".join(lines) + b"\n", b"application/x-ndjson")
+            return await stream(send, [line + b"\n" for line in lines], b"application/x-ndjson")
         return await answer(send, 404, b"{}")
 
     return app
 
 
-def serve_stand_in(port: int) -> None:
+def serve_stand_in(port: int, token_interval_s: float) -> None:
     import uvicorn
-    uvicorn.run(stand_in_app(os.environ[TOKEN_ENV]), host="127.0.0.1", port=port, log_level="warning",
+    uvicorn.run(stand_in_app(os.environ[TOKEN_ENV], token_interval_s), host="127.0.0.1", port=port, log_level="warning",
                 loop="auto", http="auto")  # uvloop and httptools where installed
 
 
 # --- the load -----------------------------------------------------------------------------------------------------
 
-async def one(http: httpx.AsyncClient, url: str, stream: bool, tokens: int) -> tuple[float, int]:
-    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": tokens, "ignore_eos": True,
-            "stream": stream}
+async def one(http: aiohttp.ClientSession, url: str, stream: bool, tokens: int, gaps: list[float]) -> tuple[float, int]:
+    """One completion: its seconds and tokens; a stream adds the gaps between its chunks to `gaps`."""
+    body = msgspec.json.encode({"model": MODEL, "prompt": "The capital of France is", "max_tokens": tokens,
+                                "ignore_eos": True, "stream": stream, "stream_options": {"include_usage": True}})
     started = time.perf_counter()
-    if not stream:
-        response = await http.post(url + "/v1/completions", json=body)
-        response.raise_for_status()
-        return time.perf_counter() - started, response.json()["usage"]["completion_tokens"]
-    received = 0
-    async with http.stream("POST", url + "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if line.startswith("data: {"):
-                received += 1
+    async with http.post(url + "/v1/completions", data=body, headers={"content-type": "application/json"}) as response:
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {(await response.read())[:300]!r}")
+        if not stream:
+            answer = msgspec.json.decode(await response.read())
+            return time.perf_counter() - started, answer["usage"]["completion_tokens"]
+        received, last_s = 0, None
+        async for line in response.content:
+            if not line.startswith(b"data: {"):
+                continue
+            if b'"usage"' in line:  # the last chunk: how many tokens the stream held (a chunk may hold several)
+                received = msgspec.json.decode(line[6:])["usage"]["completion_tokens"]
+                continue
+            now = time.perf_counter()
+            if last_s is not None:
+                gaps.append(now - last_s)
+            last_s = now
     return time.perf_counter() - started, received
 
 
 async def load(url: str, concurrency: int, requests: int, stream: bool, tokens: int) -> dict:
     latencies: list[float] = []
+    gaps: list[float] = []
     token_count = 0
     remaining = iter(range(2 * min(concurrency, 4)))  # first a few to open the connections
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(limits=limits, timeout=60) as http:
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as http:
         async def client() -> None:
             nonlocal token_count
             for _ in remaining:
-                seconds, count = await one(http, url, stream, tokens)
+                seconds, count = await one(http, url, stream, tokens, gaps)
                 latencies.append(seconds)
                 token_count += count
         await asyncio.gather(*(client() for _ in range(min(concurrency, 4))))  # warm the connections
         latencies.clear()
+        gaps.clear()
         token_count = 0
         remaining = iter(range(requests))
         started = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(concurrency)))
         wall = time.perf_counter() - started
     latencies.sort()
+    gaps.sort()
     return {"req_s": len(latencies) / wall, "p50_ms": 1e3 * statistics.median(latencies),
-            "p99_ms": 1e3 * latencies[int(0.99 * (len(latencies) - 1))], "tok_s": token_count / wall}
+            "p99_ms": 1e3 * latencies[int(0.99 * (len(latencies) - 1))], "tok_s": token_count / wall,
+            "gap_p99_ms": 1e3 * gaps[int(0.99 * (len(gaps) - 1))] if gaps else float("nan")}
 
 
 def wait_up(url: str, path: str, timeout_s: float = 120) -> None:
@@ -176,25 +205,32 @@ def run(args: argparse.Namespace) -> None:
     model_dir = make_tiny_model(Path(tempfile.mkdtemp(prefix="router-overhead-")) / "model")
     stand_in_port, router_port = free_port(), free_port()
     stand_in_url, router_url = f"http://127.0.0.1:{stand_in_port}", f"http://127.0.0.1:{router_port}"
-    processes = [subprocess.Popen([sys.executable, __file__, "stand-in", "--port", str(stand_in_port)], env=env)]
+    processes = [subprocess.Popen([sys.executable, __file__, "stand-in", "--port", str(stand_in_port),
+                                   "--token-interval-ms", str(args.token_interval_ms)], env=env)]
     try:
         wait_up(stand_in_url, "/health")
         processes.append(subprocess.Popen(
             [sys.executable, "-m", "pdserve", "router", "--model", str(model_dir), "--served-model-name", MODEL,
              "--workers", stand_in_url, "--host", "127.0.0.1", "--port", str(router_port)], env=env))
         wait_up(router_url, "/ready")
-        scenarios = [("non-streaming", 1, False), ("non-streaming", 16, False), ("streaming", 32, True)]
-        print(f"{args.requests} requests per row, {args.tokens} tokens each; one stand-in worker answering at once")
+        if args.token_interval_ms:
+            scenarios = [("streaming, paced", args.concurrency, True)]
+            pace = f"each token its own write, {args.token_interval_ms} ms after the last"
+        else:
+            scenarios = [("non-streaming", 1, False), ("non-streaming", 16, False), ("streaming", 32, True)]
+            pace = "all tokens in one write at once"
+        print(f"{args.requests} requests per row, {args.tokens} tokens each; one stand-in worker, {pace}")
         print("| scenario | concurrency | direct req/s | router req/s | ratio | direct p50 / p99 ms | router p50 / p99 ms "
-              "| added p50 ms | direct tok/s | router tok/s |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+              "| added p50 ms | direct tok/s | router tok/s | chunk gap p99 ms direct / router |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for name, concurrency, stream in scenarios:
             direct = asyncio.run(load(stand_in_url, concurrency, args.requests, stream, args.tokens))
             routed = asyncio.run(load(router_url, concurrency, args.requests, stream, args.tokens))
             print(f"| {name} | {concurrency} | {direct['req_s']:,.0f} | {routed['req_s']:,.0f} | "
                   f"{routed['req_s'] / direct['req_s']:.2f} | {direct['p50_ms']:.2f} / {direct['p99_ms']:.2f} | "
                   f"{routed['p50_ms']:.2f} / {routed['p99_ms']:.2f} | {routed['p50_ms'] - direct['p50_ms']:.2f} | "
-                  f"{direct['tok_s']:,.0f} | {routed['tok_s']:,.0f} |", flush=True)
+                  f"{direct['tok_s']:,.0f} | {routed['tok_s']:,.0f} | {direct['gap_p99_ms']:.2f} / "
+                  f"{routed['gap_p99_ms']:.2f} |", flush=True)
     finally:
         for process in processes:
             process.terminate()
@@ -208,13 +244,18 @@ def main() -> None:
     run_parser = commands.add_parser("run")
     run_parser.add_argument("--requests", type=int, default=400)
     run_parser.add_argument("--tokens", type=int, default=64)
+    run_parser.add_argument("--token-interval-ms", type=float, default=0.0,
+                            help="> 0: the stand-in paces tokens this far apart, one write each (a decode step); "
+                                 "one streaming row at --concurrency")
+    run_parser.add_argument("--concurrency", type=int, default=256, help="streams at once, with --token-interval-ms")
     stand_in_parser = commands.add_parser("stand-in", help="the stand-in worker (started by run)")
     stand_in_parser.add_argument("--port", type=int, required=True)
+    stand_in_parser.add_argument("--token-interval-ms", type=float, default=0.0)
     args = parser.parse_args()
     if args.command == "run":
         run(args)
     else:
-        serve_stand_in(args.port)
+        serve_stand_in(args.port, args.token_interval_ms / 1e3)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ import logging
 import time
 from dataclasses import dataclass
 
-import httpx
 import msgspec
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -18,6 +17,7 @@ from pdserve.http.internal_auth import bearer_headers
 from pdserve.http.slow_clients import client_left
 from pdserve.text.generation_defaults import GenerationDefaults
 from pdserve.text.tokenizer import PromptTokenizer
+from pdserve.wire.client import worker_session
 from pdserve_router import openai_schema as schema
 from pdserve_router.admission import Admission, authenticate, read_body_limited
 from pdserve_router.config import RouterConfig
@@ -87,10 +87,7 @@ def build_router_app(config: RouterConfig, discovery: Discovery | None = None) -
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        # Idle connections to workers are kept 30 s (httpx: 5 s), less than a worker keeps them (KEEP_ALIVE_S).
-        http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
-                                                     keepalive_expiry=30.0),
-                                 headers=bearer_headers(config.internal_token))
+        http = worker_session(bearer_headers(config.internal_token))
         worker_discovery = discovery if discovery is not None else make_discovery(config)
         index = PrefixIndex(pending_ttl_s=config.pending_assignment_ttl_s)
         pool = WorkerPool(worker_discovery, http, index, metrics, config.health_interval_s, config.health_timeout_s,
@@ -111,7 +108,7 @@ def build_router_app(config: RouterConfig, discovery: Discovery | None = None) -
         finally:
             await pool.close()
             worker_discovery.close()
-            await http.aclose()
+            await http.close()
             text_workers.close()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)

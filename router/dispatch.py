@@ -88,8 +88,8 @@ class Dispatcher:
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, arrival_s: float
-    ) -> AsyncIterator[TokenEvent]:
-        """The request's TokenEvents. A worker failure before the first token retries on another rank (at most
+    ) -> AsyncIterator[list[TokenEvent]]:
+        """The request's TokenEvents, in the batches the worker's stream brought them. A worker failure before the first token retries on another rank (at most
         `max_attempts` ranks, then APIError(503), or the last worker's error event if it sent one); after it, the
         stream migrates to another decode path (at most `max_migrations` times, then an error event)."""
         continuation = Continuation(prompt_token_ids, sampling, self._make_detokenizer)
@@ -109,19 +109,27 @@ class Dispatcher:
                 sampling=continuation.next_sampling(), plan=route.plan,
             )
             client = self._pool.client(route.target[0])
-            worker_finished = False
+            worker_finished = finished = False  # the worker's stream ended / the request did (a router-side stop)
             failure: str | None = None
             try:
-                async with contextlib.aclosing(client.generate(worker_request, self._first_token_timeout_s)) as events:
-                    async for event in events:
-                        if event.finish_reason == "error":
-                            worker_finished, failure, last_error_event = True, event.error or "worker error", event
+                batches = client.generate_batches(worker_request, self._first_token_timeout_s)
+                async with contextlib.aclosing(batches):
+                    async for batch in batches:
+                        absorbed = []
+                        for event in batch:
+                            if event.finish_reason == "error":
+                                worker_finished, failure, last_error_event = True, event.error or "worker error", event
+                                break
+                            worker_finished = event.finish_reason is not None
+                            absorbed.append(continuation.absorb(event))
+                            if finished := absorbed[-1].finish_reason is not None:
+                                break
+                        if absorbed:
+                            yield absorbed
+                        if finished or failure is not None:
                             break
-                        worker_finished = event.finish_reason is not None
-                        event = continuation.absorb(event)
-                        yield event
-                        if event.finish_reason is not None:
-                            return
+                if finished:
+                    return
             except WorkerUnavailable as error:
                 failure = str(error)
                 self._pool.report_failure(route.target[0])  # a dead prefill worker is ejected by its health checks
@@ -137,17 +145,17 @@ class Dispatcher:
                     break
                 continue
             if continuation.migrations >= self._max_migrations:
-                yield self._failed(attempt_id, f"the worker failed after {len(continuation.streamed_token_ids)} tokens "
-                                   f"and the request was already migrated {continuation.migrations} time(s): {failure}")
+                yield [self._failed(attempt_id, f"the worker failed after {len(continuation.streamed_token_ids)} tokens "
+                                    f"and the request was already migrated {continuation.migrations} time(s): {failure}")]
                 return
             logger.warning("request %s: %s failed after %d tokens (%s); migrating", request_id, route.target,
                            len(continuation.streamed_token_ids), failure)
             continuation.migrate()
             self._metrics.count_migration()
         if continuation.started:
-            yield self._failed(request_id, "the worker failed mid-stream and no other worker can continue it")
+            yield [self._failed(request_id, "the worker failed mid-stream and no other worker can continue it")]
         elif last_error_event is not None:
-            yield last_error_event
+            yield [last_error_event]
         else:
             raise no_workers_error(self._retry_after_s)
 

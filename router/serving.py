@@ -3,6 +3,7 @@ a whole JSON response or an SSE stream ending with `data: [DONE]`."""
 
 import asyncio
 import contextlib
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -92,13 +93,16 @@ class Serving:
             raise APIError(404, f"The model `{request.model}` does not exist; this router serves `{self.model_name}`.",
                            param="model", code="model_not_found")
 
-    def _check_request(self, request: schema.SamplingFields) -> None:
-        """Everything decided before any tokenization starts: model, limits, unsupported fields, prompt size."""
+    def _check_request(self, request: schema.SamplingFields) -> int:
+        """Everything decided before any tokenization starts: model, limits, unsupported fields, prompt size (the
+        prompt's characters, returned)."""
         self._check_model(request)
         schema.check_limits(request, self._max_n, self._max_tokens_limit)
         schema.check_unsupported(request)
         chat = isinstance(request, schema.ChatCompletionRequest)
-        self._check_prompt_chars(schema.prompt_chars(request), "messages" if chat else "prompt")
+        chars = schema.prompt_chars(request)
+        self._check_prompt_chars(chars, "messages" if chat else "prompt")
+        return chars
 
     def _check_prompt_chars(self, chars: int, param: str) -> None:
         if chars > self._max_prompt_chars:
@@ -133,9 +137,10 @@ class Serving:
                                return_token_ids=bool(request.return_token_ids), n=request.n or 1, **kwargs)
 
     async def plan_completion(self, request: schema.CompletionRequest) -> RequestPlan:
-        self._check_request(request)
+        chars = self._check_request(request)
         prompts = schema.prompts_of(request)
-        token_prompts = await self._text.run(lambda: [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts])
+        token_prompts = await self._text.run(
+            chars, lambda: [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts])
         for prompt in token_prompts:
             if outside := [t for t in prompt if not 0 <= t < self.tokenizer.vocab_size]:
                 raise schema.bad_request(f"prompt token id {outside[0]} is outside the vocabulary "
@@ -146,7 +151,7 @@ class Serving:
         return RequestPlan(self._plan_choices(request, token_prompts, None), self._options(request, echo_texts=echo_texts))
 
     async def plan_chat(self, request: schema.ChatCompletionRequest) -> RequestPlan:
-        self._check_request(request)
+        chars = self._check_request(request)
         tools = self._tool_plan(request)
         messages = schema.chat_messages_of(request.messages)
         add_generation_prompt = True if request.add_generation_prompt is None else request.add_generation_prompt
@@ -165,7 +170,8 @@ class Serving:
             except PromptError as error:
                 raise schema.bad_request(str(error), param=error.param) from None
 
-        prompt = await self._text.run(tokenize)
+        # A grammar compiles on a thread whatever the prompt's size: that can take milliseconds.
+        prompt = await self._text.run(chars if tools.grammar is None else math.inf, tokenize)
         options = self._options(request, parse_tool_calls=tools.parse_tool_calls, max_tool_calls=tools.max_tool_calls)
         return RequestPlan(self._plan_choices(request, [prompt], tools.grammar), options)
 
@@ -206,16 +212,18 @@ class Serving:
             raise schema.bad_request("give exactly one of `prompt` or `messages`", param="prompt")
         if request.prompt is not None:
             self._check_prompt_chars(len(request.prompt), "prompt")
-            token_ids = await self._text.run(self.tokenizer.encode, request.prompt, request.add_special_tokens)
+            token_ids = await self._text.run(len(request.prompt), self.tokenizer.encode, request.prompt,
+                                             request.add_special_tokens)
         else:
             assert request.messages is not None
-            self._check_prompt_chars(schema.messages_chars(request.messages, request.tools), "messages")
+            chars = schema.messages_chars(request.messages, request.tools)
+            self._check_prompt_chars(chars, "messages")
             messages = schema.chat_messages_of(request.messages)
             kwargs = dict(request.chat_template_kwargs or {})
             if request.tools:
                 kwargs["tools"] = [msgspec.to_builtins(tool) for tool in request.tools]
             try:
-                token_ids = await self._text.run(self.tokenizer.encode_chat, messages, request.add_generation_prompt,
+                token_ids = await self._text.run(chars, self.tokenizer.encode_chat, messages, request.add_generation_prompt,
                                                  **kwargs)
             except PromptError as error:
                 raise schema.bad_request(str(error), param=error.param) from None
@@ -230,7 +238,7 @@ class Serving:
         if outside := [t for t in request.tokens if t >= self.tokenizer.vocab_size]:
             raise schema.bad_request(f"token id {outside[0]} is outside the vocabulary [0, {self.tokenizer.vocab_size})",
                                      param="tokens")
-        return {"prompt": await self._text.run(self.tokenizer.decode, request.tokens)}
+        return {"prompt": await self._text.run(math.inf, self.tokenizer.decode, request.tokens)}
 
     # --- choices -> response ---------------------------------------------------------------------------------------
 
@@ -265,31 +273,48 @@ class Serving:
             self.metrics.observe_prompt_tokens(len(output.prompt_token_ids))
             self.metrics.observe_generation_tokens(len(output.token_ids))
 
-    async def _merged_events(self, request_id: str, plans: list[ChoicePlan], arrival_s: float) -> AsyncIterator[tuple[int, TokenEvent]]:
-        """Events of all choices, interleaved as they come; leaving early cancels (and so aborts) every choice."""
+    async def _merged_events(self, request_id: str, plans: list[ChoicePlan],
+                             arrival_s: float) -> AsyncIterator[list[tuple[int, TokenEvent]]]:
+        """Events of all choices, interleaved as they come, in batches of what has arrived (what a worker sent in
+        one read comes as one batch: the response writes it at once); leaving early cancels (and so aborts) every
+        choice."""
+        if len(plans) == 1:  # one choice needs no merging
+            plan = plans[0]
+            events = self.dispatcher.generate(f"{request_id}-{plan.index}", plan.prompt_token_ids, plan.sampling,
+                                              arrival_s)
+            async with contextlib.aclosing(events):
+                async for batch in events:
+                    yield [(0, event) for event in batch]
+            return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(position: int, plan: ChoicePlan) -> None:
             try:
                 choice_events = self.dispatcher.generate(f"{request_id}-{plan.index}", plan.prompt_token_ids, plan.sampling, arrival_s)
                 async with contextlib.aclosing(choice_events):
-                    async for event in choice_events:
-                        await queue.put((position, event))
-                await queue.put((position, None))
+                    async for batch in choice_events:
+                        queue.put_nowait([(position, event) for event in batch])
+                queue.put_nowait(None)
             except APIError as error:
-                await queue.put((position, error))
+                queue.put_nowait(error)
 
         tasks = [asyncio.create_task(pump(position, plan)) for position, plan in enumerate(plans)]
         try:
             remaining = len(tasks)
             while remaining:
-                position, item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, APIError):
-                    raise item
-                else:
-                    yield position, item
+                merged: list[tuple[int, TokenEvent]] = []
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                for item in items:
+                    if item is None:
+                        remaining -= 1
+                    elif isinstance(item, APIError):
+                        raise item
+                    else:
+                        merged += item
+                if merged:
+                    yield merged
         finally:
             for task in tasks:
                 task.cancel()
@@ -322,8 +347,9 @@ class Serving:
 
         async def collect() -> None:
             async with contextlib.aclosing(events):
-                async for position, event in events:
-                    self._absorb(outputs[position], event, last_token_s, arrival_s)
+                async for batch in events:
+                    for position, event in batch:
+                        self._absorb(outputs[position], event, last_token_s, arrival_s)
 
         collector = asyncio.create_task(collect())
         try:
@@ -348,19 +374,22 @@ class Serving:
         try:
             try:
                 async with contextlib.aclosing(events):  # leaving early must cancel (and abort) every choice now
-                    async for position, event in events:
-                        output = outputs[position]
-                        first = output.index not in last_token_s and not output.token_ids and not output.text
-                        text_offset = len(output.text)
-                        self._absorb(output, event, last_token_s, arrival_s)
-                        if event.finish_reason == "error":
-                            yield sse(APIError(502, f"the worker failed while generating: {event.error}", code="worker_error",
-                                               type="server_error").body())
-                            continue
-                        if event.token_ids or event.text or event.finish_reason is not None:
-                            chunk = builder.chunk(output, event, first, text_offset)
-                            if chunk is not None:
-                                yield chunk
+                    async for batch in events:
+                        chunks = []
+                        for position, event in batch:
+                            output = outputs[position]
+                            first = output.index not in last_token_s and not output.token_ids and not output.text
+                            text_offset = len(output.text)
+                            self._absorb(output, event, last_token_s, arrival_s)
+                            if event.finish_reason == "error":
+                                chunks.append(sse(APIError(502, f"the worker failed while generating: {event.error}",
+                                                           code="worker_error", type="server_error").body()))
+                            elif event.token_ids or event.text or event.finish_reason is not None:
+                                chunk = builder.chunk(output, event, first, text_offset)
+                                if chunk is not None:
+                                    chunks.append(chunk)
+                        if chunks:
+                            yield b"".join(chunks)  # what arrived together goes out in one write
                 status = "error" if any(o.finish_reason == "error" for o in outputs) else "ok"
             except APIError as error:
                 status = "error"

@@ -10,7 +10,7 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 
-import httpx
+import aiohttp
 
 from pdserve.discovery.endpoints import Discovery
 from pdserve.wire.client import WorkerClient, WorkerUnavailable
@@ -46,7 +46,7 @@ class WorkerPool:
     def __init__(
         self,
         discovery: Discovery,
-        http: httpx.AsyncClient,
+        http: aiohttp.ClientSession,
         index: PrefixIndex,
         metrics: RouterMetrics,
         health_interval_s: float,
@@ -202,6 +202,6 @@ class WorkerPool:
                         elif outcome == "gap":
                             logger.info("KV event gap on %s; resyncing from a full dump", key)
                             break
-            except (httpx.HTTPError, ValueError) as error:
+            except (WorkerUnavailable, ValueError) as error:
                 logger.debug("KV event stream of %s broke: %r", key, error)
             await asyncio.sleep(KV_RESUBSCRIBE_DELAY_S)

@@ -14,7 +14,7 @@ def add_router_parser(subparsers: argparse._SubParsersAction) -> None:
 def main_router(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from pdserve.http.slow_clients import KEEP_ALIVE_S, SlowClientLimits, bounded_h11
+    from pdserve.http.slow_clients import KEEP_ALIVE_S, SlowClientLimits, bounded_http
     from pdserve_router.app import build_router_app
     from pdserve_router.config import router_config_from_args
 
@@ -22,6 +22,6 @@ def main_router(args: argparse.Namespace) -> int:
     print(f"pdserve router: serving {config.model_name} on http://{config.host}:{config.port}", flush=True)
     limits = SlowClientLimits(config.request_read_timeout_s, config.send_stall_timeout_s)
     # On SIGTERM uvicorn stops accepting and lets the streams in flight finish, for at most drain_timeout_s.
-    uvicorn.run(build_router_app(config), host=config.host, port=config.port, log_level="warning", http=bounded_h11(limits),
+    uvicorn.run(build_router_app(config), host=config.host, port=config.port, log_level="warning", http=bounded_http(limits),
                 timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=config.drain_timeout_s)
     return 0

@@ -37,7 +37,7 @@ from pdserve.cluster.layout import (
     worker_flags,
     worker_slots,
 )
-from pdserve.http.slow_clients import KEEP_ALIVE_S, SlowClientLimits, bounded_h11
+from pdserve.http.slow_clients import KEEP_ALIVE_S, SlowClientLimits, bounded_http
 from pdserve.transfer.backend import OnNotification
 from pdserve.transfer.inprocess import InProcessBackend, InProcessFabric
 from pdserve.worker.config import add_worker_arguments, worker_config_from_args
@@ -218,7 +218,7 @@ class InProcessCluster(StartedCluster):
     @staticmethod
     async def _serve(name: str, url: str, app: Any, limits: SlowClientLimits, sock: socket.socket) -> ServedApp:
         # log_config None: uvicorn leaves this process's logging alone, and its errors reach the root logger.
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", log_config=None, http=bounded_h11(limits),
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", log_config=None, http=bounded_http(limits),
                                                 timeout_keep_alive=KEEP_ALIVE_S))
         served = ServedApp(name, url, server, asyncio.create_task(server.serve(sockets=[sock]), name=name))
         while not server.started:

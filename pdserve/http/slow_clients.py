@@ -16,10 +16,9 @@ only worker for unreachable)."""
 import asyncio
 from dataclasses import dataclass
 
-import h11
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 KEEP_ALIVE_S = 65.0
 _TIMEOUT_BODY = b'{"error":{"message":"request not received in time","type":"invalid_request_error","code":"request_timeout"}}'
@@ -37,8 +36,9 @@ class SlowClientLimits:
             raise ValueError(f"slow-client timeouts must be > 0, got {self}")
 
 
-class SlowClientBoundedH11(H11Protocol):
-    """uvicorn's h11 protocol plus the two bounds; build a subclass with its limits through `bounded_h11`."""
+class SlowClientBoundedHttpTools(HttpToolsProtocol):
+    """uvicorn's httptools protocol (its C parser; uvloop runs the loop) plus the two bounds; build a subclass with
+    its limits through `bounded_http`."""
 
     limits = SlowClientLimits()
 
@@ -53,15 +53,13 @@ class SlowClientBoundedH11(H11Protocol):
         super().connection_made(transport)
         self._arm_read_deadline()
 
-    def data_received(self, data: bytes) -> None:
-        if self.conn.their_state is h11.IDLE:  # first bytes of the next request on a kept-alive connection
-            self._arm_read_deadline()
-        super().data_received(data)
+    def on_message_begin(self) -> None:  # the parser saw a request's first byte (the next one on a kept-alive connection)
+        super().on_message_begin()
+        self._arm_read_deadline()
 
-    def handle_events(self) -> None:
-        super().handle_events()  # also runs when a response completes, for a pipelined request
-        if self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):  # all of it is here (or it was refused)
-            self._cancel_read_deadline()
+    def on_message_complete(self) -> None:  # all of it is here
+        super().on_message_complete()
+        self._cancel_read_deadline()
 
     def _arm_read_deadline(self) -> None:
         if self._read_deadline is None:
@@ -76,9 +74,11 @@ class SlowClientBoundedH11(H11Protocol):
         self._read_deadline = None
         if self.transport.is_closing():
             return
-        # Head incomplete (IDLE) or the app's response not begun: say why. An app reading the body then gets
-        # `http.disconnect` from connection_lost, and whatever it sends after is dropped.
-        answered = self.conn.their_state is h11.SEND_BODY and self.cycle is not None and self.cycle.response_started
+        # Head incomplete (the cycle, if any, is the previous request's, complete) or the app's response not begun:
+        # say why. An app reading the body then gets `http.disconnect` from connection_lost, and whatever it sends
+        # after is dropped.
+        cycle = self.cycle
+        answered = cycle is not None and cycle.response_started and not cycle.response_complete
         if not answered:
             self.transport.write(_REQUEST_TIMEOUT_RESPONSE)
         self.transport.abort()  # close() would wait for a client that may never read
@@ -105,9 +105,9 @@ class SlowClientBoundedH11(H11Protocol):
         super().connection_lost(exc)
 
 
-def bounded_h11(limits: SlowClientLimits) -> type[SlowClientBoundedH11]:
-    """What to pass as uvicorn's `http=`: the h11 protocol with these limits."""
-    return type("SlowClientBoundedH11", (SlowClientBoundedH11,), {"limits": limits})
+def bounded_http(limits: SlowClientLimits) -> type[SlowClientBoundedHttpTools]:
+    """What to pass as uvicorn's `http=`: the httptools protocol with these limits."""
+    return type("SlowClientBoundedHttpTools", (SlowClientBoundedHttpTools,), {"limits": limits})
 
 
 async def client_left(request: Request, error: ClientDisconnect) -> Response:

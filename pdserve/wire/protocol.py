@@ -104,6 +104,28 @@ class TokenEvent:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
+def _joined(parts: list[list | None]) -> list | None:
+    return None if all(part is None for part in parts) else [x for part in parts for x in part or ()]
+
+
+def coalesce_events(events: list[TokenEvent]) -> list[TokenEvent]:
+    """Consecutive events of one request as one event (a reader that fell behind takes them at once: one line to
+    encode, send and decode instead of one per token). An error event stays on its own: it carries no tokens."""
+    if len(events) <= 1:
+        return events
+    tail = [events[-1]] if events[-1].finish_reason == "error" else []
+    run = events[:-1] if tail else events
+    if len(run) <= 1:
+        return events
+    last = run[-1]
+    merged = TokenEvent(
+        last.request_id, [t for e in run for t in e.token_ids], "".join(e.text for e in run),
+        _joined([e.logprobs for e in run]), _joined([e.top_token_ids for e in run]),
+        _joined([e.top_logprobs for e in run]), last.finish_reason, last.error,
+        max(e.prompt_tokens for e in run), max(e.cached_tokens for e in run))
+    return [merged, *tail]
+
+
 @dataclass
 class AbortRequest:
     request_id: str

@@ -25,6 +25,7 @@ from pdserve.wire.protocol import (
     TokenEvent,
     WorkerHealth,
     WorkerInfo,
+    coalesce_events,
 )
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.drain import CountedStreamingResponse, DrainGate
@@ -156,7 +157,7 @@ def build_worker_app(cfg: WorkerConfig, ranks: RankSet, info: WorkerInfo, guard:
         async def lines() -> AsyncIterator[bytes]:
             try:
                 async for events in handle.generate(body, reservation):  # what has come goes out in one write
-                    yield b"".join(msgspec.json.encode(event) + b"\n" for event in events)
+                    yield b"".join(msgspec.json.encode(event) + b"\n" for event in coalesce_events(events))
             except Exception as error:  # noqa: BLE001 - a dead rank ends the stream with an error event
                 event = TokenEvent(body.request_id, [], finish_reason="error", error=f"rank {body.rank} failed: {error}")
                 yield msgspec.json.encode(event) + b"\n"

@@ -5,16 +5,15 @@ import logging
 import time
 from pathlib import Path
 
-import httpx
 import ray
 import uvicorn
 
 from pdserve.disagg.guard import HandoffGuard
 from pdserve.discovery.endpoints import Discovery, FileDiscovery, KubernetesDiscovery, StaticDiscovery
 from pdserve.http.internal_auth import bearer_headers
-from pdserve.http.slow_clients import KEEP_ALIVE_S, SlowClientLimits, bounded_h11
+from pdserve.http.slow_clients import KEEP_ALIVE_S, SlowClientLimits, bounded_http
 from pdserve.model.config import ModelConfig
-from pdserve.wire.client import WorkerClient
+from pdserve.wire.client import LazyWorkerSession, WorkerClient
 from pdserve.wire.protocol import API_VERSION, RankInfo, Reservation, ReservationQuery, WorkerInfo
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.drain import SHUTDOWN_AFTER_DRAIN_S, DrainGate, DrainingServer
@@ -50,7 +49,7 @@ def run_worker(cfg: WorkerConfig) -> None:
     # this stream) when that client stalls; a bound here would take a slow client for a failed worker.
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
                             timeout_graceful_shutdown=SHUTDOWN_AFTER_DRAIN_S, timeout_keep_alive=KEEP_ALIVE_S,
-                            http=bounded_h11(SlowClientLimits(cfg.request_read_timeout_s)))
+                            http=bounded_http(SlowClientLimits(cfg.request_read_timeout_s)))
     DrainingServer(config, gate, cfg.drain_timeout_s).run()
     print("pdserve worker: drained, exiting", flush=True)
 
@@ -75,10 +74,10 @@ def handoff_guard(cfg: WorkerConfig) -> HandoffGuard:
         peers = FileDiscovery(cfg.peers_file)
     else:
         peers = StaticDiscovery(cfg.peers)
-    http = httpx.AsyncClient(headers=bearer_headers(cfg.internal_token))
+    http = LazyWorkerSession(bearer_headers(cfg.internal_token))
 
     async def confirm_at(url: str, query: ReservationQuery) -> Reservation | None:
-        return await WorkerClient(url, http, CONFIRM_TIMEOUT_S).confirm_reservation(query)
+        return await WorkerClient(url, http(), CONFIRM_TIMEOUT_S).confirm_reservation(query)
 
     return HandoffGuard(peers, confirm_at)
 

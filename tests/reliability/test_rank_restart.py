@@ -10,13 +10,12 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 from load import rank_actor_pids_of
 from probes import health_status, internal_headers, wait_for
 
 from pdserve.cluster.layout import free_port
-from pdserve.wire.client import WorkerClient
+from pdserve.wire.client import WorkerClient, worker_session
 from pdserve.wire.protocol import GenerateRequest, TokenEvent
 from pdserve.wire.sampling import SamplingParams
 
@@ -29,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 async def generate(url: str, rank: int, sampling: SamplingParams, request_id: str) -> list[TokenEvent]:
-    async with httpx.AsyncClient(headers=internal_headers()) as http:
+    async with worker_session(internal_headers()) as http:
         request = GenerateRequest(request_id, rank, PROMPT, sampling)
         stream = WorkerClient(url, http, 10.0).generate(request, REQUEST_TIMEOUT_S)
         return await asyncio.wait_for(_collect(stream), REQUEST_TIMEOUT_S)

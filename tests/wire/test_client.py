@@ -7,13 +7,12 @@ import socket
 import threading
 import time
 
-import httpx
 import msgspec
 import pytest
 import uvicorn
 
 from pdserve.wire import client as client_module
-from pdserve.wire.client import WorkerClient
+from pdserve.wire.client import WorkerClient, worker_session
 from pdserve.wire.protocol import GenerateRequest, TokenEvent
 
 
@@ -56,7 +55,7 @@ class Server:
 
 
 async def generate_all(url: str, request_ids: list[str]) -> list[list[TokenEvent]]:
-    async with httpx.AsyncClient() as http:
+    async with worker_session() as http:
         client = WorkerClient(url, http)
         streams = []
         for rid in request_ids:
@@ -67,7 +66,7 @@ async def generate_all(url: str, request_ids: list[str]) -> list[list[TokenEvent
 def test_finished_streams_reuse_one_connection():
     with Server() as server:
         streams = asyncio.run(generate_all(f"http://127.0.0.1:{server.port}", ["a", "b", "c"]))
-    assert [[e.token_ids[0] for e in events] for events in streams] == [[0, 1, 2]] * 3
+    assert [[t for e in events for t in e.token_ids] for events in streams] == [[0, 1, 2]] * 3  # in 1-3 events
     assert [events[-1].finish_reason for events in streams] == ["length"] * 3
     assert len(server.client_ports) == 1  # one TCP connection served all three
 
@@ -79,4 +78,4 @@ def test_a_stream_held_open_after_its_last_event_still_delivers_it(monkeypatch: 
         streams = asyncio.run(generate_all(f"http://127.0.0.1:{server.port}", ["a"]))
         assert time.monotonic() - started < 10  # not the 30 s the server holds the stream
         server.server.force_exit = True
-    assert [e.token_ids[0] for e in streams[0]] == [0, 1, 2] and streams[0][-1].finish_reason == "length"
+    assert [t for e in streams[0] for t in e.token_ids] == [0, 1, 2] and streams[0][-1].finish_reason == "length"

@@ -15,7 +15,7 @@ from probes import health_status, internal_headers, wait_for
 
 from pdserve.cluster.layout import free_port
 from pdserve.engine.llm import LLM
-from pdserve.wire.client import WorkerClient
+from pdserve.wire.client import WorkerClient, worker_session
 from pdserve.wire.protocol import GenerateRequest, TokenEvent
 from pdserve.wire.sampling import SamplingParams
 
@@ -58,7 +58,7 @@ def rank_actor_pids(worker_pid: int) -> list[int]:
 
 async def generate(url: str, rank: int, prompt: list[int], request_id: str,
                    sampling: SamplingParams = SAMPLING) -> list[TokenEvent]:
-    async with httpx.AsyncClient(headers=internal_headers()) as http:
+    async with worker_session(internal_headers()) as http:
         request = GenerateRequest(request_id, rank, prompt, sampling)
         return [event async for event in WorkerClient(url, http, 10.0).generate(request, REQUEST_TIMEOUT_S)]
 
