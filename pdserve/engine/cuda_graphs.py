@@ -13,11 +13,12 @@ data the kernels read.
 """
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pdserve.cache.page_allocator import pages_for
+from pdserve.engine.in_flight import CarriedTokens
 from pdserve.model.deepseek import DeepseekForCausalLM
 from pdserve.ops.attention import AttentionBatch
 from pdserve.ops.attention_flashinfer import WORKSPACE_BYTES, FlashInferMLA, FlashInferMLAGraphSlot
@@ -58,6 +59,7 @@ class _CapturedStep:
     graph: torch.cuda.CUDAGraph
     attention: FlashInferMLAGraphSlot
     logits: torch.Tensor  # [batch size, vocab] float32, rewritten by every replay
+    replayed: torch.cuda.Event = field(default_factory=torch.cuda.Event)  # recorded after each replay
 
 
 @dataclass(frozen=True)
@@ -118,9 +120,10 @@ class DecodeGraphs:
 
     @torch.inference_mode()  # the plan buffers were made under inference mode, at capture
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], kv_lens: list[int],
-            page_ids: list[list[int]]) -> torch.Tensor:
+            page_ids: list[list[int]], carried: CarriedTokens | None = None) -> torch.Tensor:
         """One new token per sequence (at most max_batch_size); float32 logits [num seqs, vocab], valid until the
-        next run but one."""
+        next run but one. `carried`: input ids still on the device (the previous step's sampled tokens, under
+        overlapped scheduling), copied into the graph's input buffer behind the host's."""
         num_seqs = len(input_ids)
         size = next(s for s in self.sizes if s >= num_seqs)
         pad = size - num_seqs
@@ -132,15 +135,26 @@ class DecodeGraphs:
             self._steps[size][index].attention.copy_page_ids(padded_lens, padded_pages)
         else:
             index = self._free_index(size)
-            self._steps[size][index].attention.plan(padded_lens, padded_pages)
+            self._plan(self._steps[size][index], padded_lens, padded_pages)
         step = self._steps[size][index]
         host = torch.tensor([input_ids + [0] * pad, positions + [0] * pad,
                              slots + [self.scratch_page * self.page_size] * pad], dtype=torch.int64)
-        self._inputs[:, :size].copy_(host)
+        self._inputs[:, :size].copy_(host, non_blocking=True)  # staged at once: no wait for a step in flight
+        if carried is not None:
+            carried.write_into(self._inputs[0, :num_seqs])
         step.graph.replay()
+        step.replayed.record()
         self._last_replayed = (size, index)
         self._plan_ahead(size, kv_lens, page_ids, pad)
         return step.logits[:num_seqs]
+
+    @staticmethod
+    def _plan(step: _CapturedStep, padded_lens: list[int], padded_pages: list[list[int]]) -> None:
+        # flashinfer stages a plan in pinned host memory of the capture's own, copied in behind the queued work. While
+        # that capture's last replay may still be queued (the host runs a step ahead under overlapped scheduling),
+        # rewriting the staging memory would change the plan under it: wait for that replay first.
+        step.replayed.synchronize()
+        step.attention.plan(padded_lens, padded_pages)
 
     def _free_index(self, size: int) -> int:
         """The capture of `size` that the last replay did not use (it may still be running)."""
@@ -158,5 +172,5 @@ class DecodeGraphs:
                       for pages, n in zip(page_ids, next_lens)]
         padded_lens = next_lens + [1] * pad
         index = self._free_index(size)
-        self._steps[size][index].attention.plan(padded_lens, next_pages + [[self.scratch_page]] * pad)
+        self._plan(self._steps[size][index], padded_lens, next_pages + [[self.scratch_page]] * pad)
         self._planned_ahead = _PlannedStep(size, index, tuple(padded_lens))

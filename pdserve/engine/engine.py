@@ -1,4 +1,11 @@
-"""One DP rank's engine: admits requests, steps the model under continuous batching, and reports what each step made."""
+"""One DP rank's engine: admits requests, steps the model under continuous batching, and reports what each step made.
+
+Overlapped scheduling (`EngineConfig.overlap_scheduling`): a step's sampled tokens stay on the device as the next
+step's input ids and reach the host asynchronously, so the host schedules and prepares step N+1 while the device
+computes step N, and `step()` returns what the step before it sampled. A request that ends on a token (EOS, a stop
+token or string) is therefore seen to end one step late: the token it computed meanwhile is discarded, never emitted.
+Ends that the host knows without the token's value (max_tokens, the context length) are not scheduled past.
+"""
 
 import logging
 from collections.abc import Callable
@@ -11,10 +18,11 @@ from pdserve.cache.page_allocator import PageAllocator, pages_for
 from pdserve.cache.radix_cache import NullPrefixCache, RadixCache
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cuda_graphs import decode_graph_config
+from pdserve.engine.in_flight import InFlightStep
 from pdserve.engine.logits_processing import LogitsProcessing
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.request import Request
-from pdserve.engine.sampler import SampleResult, sample
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampler import SampleResult, sample, sample_on_device
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.simulated import SimulatedRunner
 from pdserve.engine.step_profile import DEFAULT_PROFILE, StepProfile
@@ -129,6 +137,7 @@ class Engine:
         self._prefix_queries_tokens = self._prefix_hits_tokens = 0
         self._prompt_tokens = self._generation_tokens = 0
         self.last_step = StepShape()  # what the last step computed (the step trace times it)
+        self._in_flight: InFlightStep | None = None  # the overlapped step whose tokens the host has not read yet
         log.info("engine ready: %s pages of %s tokens on %s (%s); %s", num_pages, cfg.page_size, self.device,
                  self.dtype, described)
 
@@ -209,6 +218,10 @@ class Engine:
         """Pages for the whole prompt, to be written by a prefill rank; raises NoCapacityError if the pool is full."""
         request = self._new_request(request_id, prompt_token_ids, sampling)
         num_pages = pages_for(len(prompt_token_ids), self.cfg.page_size)
+        if self.device.type == "cuda":
+            # A remote rank writes these pages without regard to our stream: pages freed while a launched step may
+            # still write them (an overlapped step of a request that ended, was aborted or preempted) must wait for it.
+            torch.cuda.current_stream(self.device).synchronize()
         pages = self.prefix_cache.alloc_or_evict(num_pages)
         if pages is None:
             self._forget(request)
@@ -254,23 +267,68 @@ class Engine:
     # --- the step -------------------------------------------------------------------------------------------
     def step(self, force_forward: bool = False) -> list[RequestOutput]:
         """One scheduled forward pass. `force_forward` runs it even with nothing scheduled (an empty batch), so
-        that expert-parallel ranks stepping in lockstep all join the same collectives."""
+        that expert-parallel ranks stepping in lockstep all join the same collectives. Overlapped, the outputs are
+        those of the step before (read while this one runs), plus this step's when it had to run synchronously."""
+        previous, self._in_flight = self._in_flight, None
         scheduled = self.scheduler.schedule()
         self.last_step = step_shape(scheduled)
         if not scheduled and not force_forward:
-            return []
-        logits = self.runner.execute(scheduled)
+            return self._resolve(previous)
+        logits = self.runner.execute(scheduled, previous)
         if not scheduled:
-            return []
+            return self._resolve(previous)
         self.scheduler.advance(scheduled)
-        sampling_seqs = [seq.request for seq in scheduled if seq.request.num_pending_tokens == 0]
-        if not sampling_seqs:
-            return []
-        processing = self.logits_processing.for_batch(sampling_seqs)
-        result = sample(logits, [r.sampling for r in sampling_seqs], [r.generator for r in sampling_seqs],
+        sampling_requests = [seq.request for seq in scheduled if seq.request.num_pending_tokens == 0]
+        if not sampling_requests:
+            return self._resolve(previous)
+        if self.cfg.overlap_scheduling and not self.logits_processing.needs_sync(sampling_requests):
+            self._in_flight = self._launch_sample(logits, sampling_requests)
+            outputs = self._resolve(previous)
+            if not self.scheduler.has_work_to_schedule:
+                # Nothing to prepare while this step runs (its requests all end on their length): read it now, not
+                # one call later (a prefill-only request on an idle prefill rank hands off a step sooner).
+                outputs += self._resolve(self._in_flight)
+                self._in_flight = None
+            return outputs
+        # Synchronously: this step's processing may read the previous step's tokens (a grammar's mask, penalties),
+        # and requests that ended on one of them drop out (their rows' logits were computed past their end).
+        outputs = self._resolve(previous)
+        rows = [row for row, request in enumerate(sampling_requests) if request.status is not RequestStatus.FINISHED]
+        if len(rows) < len(sampling_requests):
+            logits = logits[torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)]
+            sampling_requests = [sampling_requests[row] for row in rows]
+        if not sampling_requests:
+            return outputs
+        processing = self.logits_processing.for_batch(sampling_requests)
+        result = sample(logits, [r.sampling for r in sampling_requests], [r.generator for r in sampling_requests],
                         processing.banned_token_ids, processing.apply)
-        return [self._append_token(request, _sampled(result, i, request.sampling))
-                for i, request in enumerate(sampling_seqs)]
+        return outputs + [self._append_token(request, _sampled(result, i, request.sampling))
+                          for i, request in enumerate(sampling_requests)]
+
+    def _launch_sample(self, logits: torch.Tensor, requests: list[Request]) -> InFlightStep:
+        """Sample on the device and start the copy to the host; each request counts one more unresolved token."""
+        processing = self.logits_processing.for_batch(requests)
+        drawn = sample_on_device(logits, [r.sampling for r in requests], [r.generator for r in requests],
+                                 processing.banned_token_ids, processing.apply)
+        for request in requests:
+            request.num_unresolved_tokens += 1
+            request.ends_when_resolved = (request.num_output_tokens >= request.sampling.max_tokens
+                                          or request.num_tokens >= self.max_model_len)
+        return InFlightStep.launch(requests, drawn)
+
+    def _resolve(self, in_flight: InFlightStep | None) -> list[RequestOutput]:
+        """Append what an overlapped step sampled once it is on the host (waiting for it if it still runs). Rows of
+        requests that ended meanwhile (on the step before's token, or aborted) are discarded."""
+        if in_flight is None:
+            return []
+        result = in_flight.result()
+        outputs = []
+        for row, request in enumerate(in_flight.requests):
+            if request.status is RequestStatus.FINISHED:
+                continue
+            request.num_unresolved_tokens -= 1
+            outputs.append(self._append_token(request, _sampled(result, row, request.sampling)))
+        return outputs
 
     def _append_token(self, request: Request, sampled: RequestOutput, counted_elsewhere: bool = False) -> RequestOutput:
         """Append the one token of `sampled` (its token and log-probabilities) and say what it means for the request.
@@ -299,9 +357,12 @@ class Engine:
             finish_reason = "stop"
         elif token_id in sampling.stop_token_ids:
             finish_reason = "stop"
-        elif len(request.output_token_ids) >= sampling.max_tokens or request.num_tokens >= self.max_model_len:
+        elif (len(request.output_token_ids) >= sampling.max_tokens
+              or len(request.prompt_token_ids) + len(request.output_token_ids) >= self.max_model_len):
             finish_reason = "length"
         if finish_reason is not None:
+            # Overlapped: a token sampled past the end is discarded (its step's row is skipped when it resolves).
+            request.num_unresolved_tokens, request.ends_when_resolved = 0, False
             if detokenizer is not None and not stop_hit:
                 text += detokenizer.flush()
             self.scheduler.finish(request, finish_reason)

@@ -47,14 +47,16 @@ class LogitsProcessing:
 
     @staticmethod
     def needs_sync(requests: Sequence[Request]) -> bool:
-        """A constrained row's next mask needs its sampled token on the host before the next step samples."""
-        return any(r.grammar is not None for r in requests)
+        """Rows whose processing reads their output tokens on the host: a grammar's next mask and the penalties'
+        token counts need the token sampled last before the next step samples, so an overlapped engine steps such
+        batches synchronously."""
+        return any(r.grammar is not None or r.sampling.penalized for r in requests)
 
     def for_batch(self, requests: Sequence[Request]) -> BatchLogitsProcessing:
         return BatchLogitsProcessing(list(requests), [self._banned_ids(r) for r in requests])
 
     def _banned_ids(self, request: Request) -> list[int]:
-        if len(request.output_token_ids) >= request.sampling.min_tokens:
+        if request.num_output_tokens >= request.sampling.min_tokens:  # unresolved tokens count: min_tokens needs no ids
             return []
         # A grammar decides itself when the sequence may end: banning the end there could leave no token at all.
         eos = [] if request.sampling.ignore_eos or request.grammar is not None else self._eos_token_ids

@@ -3,6 +3,8 @@
 import torch
 
 from pdserve.engine.cuda_graphs import DecodeGraphConfig, DecodeGraphs
+from pdserve.engine.in_flight import InFlightStep
+from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledSeq
 from pdserve.model.deepseek import DeepseekForCausalLM
 from pdserve.ops.attention import AttentionBatch
@@ -22,20 +24,30 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(model, self.kv_cache, page_size, graphs, num_pages) if graphs else None
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """Run the step; returns float32 logits [num sampling seqs, vocab] in the order of `scheduled`.
+    def execute(self, scheduled: list[ScheduledSeq], previous: InFlightStep | None = None) -> torch.Tensor:
+        """Run the step; returns float32 logits [num sampling seqs, vocab] in the order of `scheduled`. Nothing here
+        waits for the device.
 
-        An empty `scheduled` runs a forward pass over zero tokens: under expert parallelism an idle rank still has
-        to join every MoE exchange of its peers' step."""
+        `previous`: the overlapped step before this one, whose sampled tokens the host has not read yet; a sequence's
+        last token may be one of them, and is then taken from the device. An empty `scheduled` runs a forward pass
+        over zero tokens: under expert parallelism an idle rank still has to join every MoE exchange of its peers'
+        step."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_lens, kv_lens, sample_rows = [], [], []
         page_tables: list[list[int]] = []
+        carried_positions: list[int] = []
+        carried_requests: list[Request] = []
         for seq in scheduled:
             request, start = seq.request, seq.request.num_computed_tokens
             end = start + seq.num_new_tokens
-            input_ids.extend(request.all_token_ids[start:end])
+            known = request.all_token_ids[start:end]
+            input_ids.extend(known)
+            if len(known) < seq.num_new_tokens:  # the token `previous` sampled last (at most one), still unresolved
+                carried_positions.append(len(input_ids))
+                carried_requests.append(request)
+                input_ids.append(0)
             positions.extend(range(start, end))
             slots.extend(request.page_ids[p // self.page_size] * self.page_size + p % self.page_size
                          for p in range(start, end))
@@ -44,23 +56,35 @@ class ModelRunner:
             page_tables.append(request.page_ids)
             if seq.samples:
                 sample_rows.append(len(input_ids) - 1)
+        carried = None
+        if carried_requests:
+            if previous is None:
+                raise RuntimeError(f"request {carried_requests[0].request_id!r} has an unresolved token, but no "
+                                   "step is in flight")
+            carried = previous.carried(carried_positions, carried_requests)
         if self.decode_graphs is not None and _is_graph_decode(scheduled, self.decode_graphs.max_batch_size):
-            return self.decode_graphs.run(input_ids, positions, slots, kv_lens, page_tables)
+            return self.decode_graphs.run(input_ids, positions, slots, kv_lens, page_tables, carried)
         max_pages = max((len(p) for p in page_tables), default=0)
         page_table = torch.tensor([p + [0] * (max_pages - len(p)) for p in page_tables], dtype=torch.int64).view(
             len(page_tables), max_pages)
         batch = AttentionBatch(
             query_lens=query_lens,
             kv_lens=kv_lens,
-            page_table=page_table.to(self.device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            page_table=page_table.to(self.device, non_blocking=True),
+            slot_mapping=self._on_device(slots),
             page_size=self.page_size,
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        ids = self._on_device(input_ids)
+        if carried is not None:
+            carried.write_into(ids)
+        pos = self._on_device(positions)
         hidden = self.model(ids, pos, self.kv_cache, batch)
-        rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
+        rows = self._on_device(sample_rows)
         return self.model.compute_logits(hidden[rows])
+
+    def _on_device(self, values: list[int]) -> torch.Tensor:
+        """int64 on the device without waiting for it (a blocking copy would wait for the step in flight)."""
+        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
 
 
 def _is_graph_decode(scheduled: list[ScheduledSeq], max_batch_size: int) -> bool:

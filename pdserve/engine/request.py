@@ -33,14 +33,24 @@ class Request:
     num_preemptions: int = 0
     keep_pages_on_finish: bool = False  # prefill-only: pages live on until the KV transfer releases them
     grammar: RequestGrammar | None = None  # the constraint's matcher, advanced by every output token
+    # Overlapped steps (engine.py): tokens sampled on the device whose ids have not reached the host yet; they count
+    # as tokens (the next step computes their KV) but are not in output_token_ids until they are resolved.
+    num_unresolved_tokens: int = 0
+    ends_when_resolved: bool = False  # an unresolved token reaches a length limit: not scheduled again
 
     @property
     def all_token_ids(self) -> list[int]:
+        """The tokens known on the host (unresolved ones excluded)."""
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def num_output_tokens(self) -> int:
+        """Tokens sampled so far, unresolved ones included."""
+        return len(self.output_token_ids) + self.num_unresolved_tokens
+
+    @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + self.num_output_tokens
 
     @property
     def num_pending_tokens(self) -> int:

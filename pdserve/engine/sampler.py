@@ -24,6 +24,39 @@ class SampleResult:
     top_logprobs: list[list[float]] | None = None
 
 
+@dataclass
+class DeviceSample:
+    """A sample still where it was drawn: the tensors of a SampleResult (an overlapped step keeps its token ids on the
+    device as the next step's input and copies the rest to the host asynchronously)."""
+
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None  # [B] float32
+    top_token_ids: torch.Tensor | None  # [B, most top_logprobs asked] int64
+    top_logprobs: torch.Tensor | None  # [B, most top_logprobs asked] float32
+
+    def to_host(self, non_blocking: bool = False) -> "DeviceSample":
+        """CPU copies (into pinned memory when `non_blocking`: the copy is done once the stream reaches it)."""
+        def copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            if tensor is None or tensor.device.type == "cpu":
+                return tensor
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=non_blocking)
+            return host.copy_(tensor, non_blocking=non_blocking)
+
+        return DeviceSample(copy(self.token_ids), copy(self.logprobs), copy(self.top_token_ids),
+                            copy(self.top_logprobs))
+
+    def result(self, params: Sequence[SamplingParams]) -> SampleResult:
+        """As lists (waits for the device when the tensors are still there), each row cut to what it asked for."""
+        result = SampleResult(token_ids=self.token_ids.tolist(), logprobs=None)
+        if self.logprobs is not None:
+            result.logprobs = self.logprobs.tolist()
+        if self.top_token_ids is not None and self.top_logprobs is not None:
+            ids, values = self.top_token_ids.tolist(), self.top_logprobs.tolist()
+            result.top_token_ids = [row[: p.top_logprobs] for row, p in zip(ids, params)]
+            result.top_logprobs = [row[: p.top_logprobs] for row, p in zip(values, params)]
+        return result
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -33,6 +66,17 @@ def sample(
 ) -> SampleResult:
     """Next token per row of `logits` [B, V]; `generators` live on `logits.device`, one per row (may be shared);
     `adjust` changes the float32 logits in place after the bans (bias, penalties, grammar masks)."""
+    return sample_on_device(logits, params, generators, banned_token_ids, adjust).result(params)
+
+
+def sample_on_device(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator],
+    banned_token_ids: Sequence[Sequence[int]],
+    adjust: Callable[[torch.Tensor], None] | None = None,
+) -> DeviceSample:
+    """`sample` without waiting for the device: the result's tensors are on `logits.device`."""
     batch_size = logits.shape[0]
     if logits.dim() != 2 or not (len(params) == len(generators) == len(banned_token_ids) == batch_size):
         raise ValueError(
@@ -50,27 +94,30 @@ def sample(
     token_ids = logits.argmax(dim=-1)
     random_rows = [row for row, row_params in enumerate(params) if not row_params.greedy]
     if random_rows:
-        rows = torch.tensor(random_rows, device=logits.device)
+        rows = _on_device(random_rows, logits.device)
         probs = filtered_probs(logits[rows], [params[row] for row in random_rows])
         token_ids[rows] = _draw(probs, [generators[row] for row in random_rows])
 
-    result = SampleResult(token_ids=token_ids.tolist(), logprobs=None)
+    result = DeviceSample(token_ids, None, None, None)
     if model_logprobs is not None:
-        result.logprobs = model_logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
+        result.logprobs = model_logprobs.gather(1, token_ids[:, None]).squeeze(1)
         most = max(p.top_logprobs for p in params)
         if most:
-            values, ids = model_logprobs.topk(most, dim=-1)
-            values, ids = values.tolist(), ids.tolist()
-            result.top_token_ids = [row[: p.top_logprobs] for row, p in zip(ids, params)]
-            result.top_logprobs = [row[: p.top_logprobs] for row, p in zip(values, params)]
+            result.top_logprobs, result.top_token_ids = model_logprobs.topk(most, dim=-1)
     return result
+
+
+def _on_device(values: list, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A tensor on `device` without waiting for it: a blocking host-to-device copy would wait for every kernel
+    queued before it, stalling a host that runs a step ahead (the source is staged at once, so it may go)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Probabilities [B, V] after temperature, top-k, top-p and min-p, each row by its own params (all non-greedy)."""
     vocab_size = logits.shape[1]
     device = logits.device
-    temperatures = torch.tensor([p.temperature for p in params], device=device)
+    temperatures = _on_device([p.temperature for p in params], device, torch.float32)
     logits = logits / temperatures[:, None]
 
     uses_top_k = any(p.top_k != -1 for p in params)
@@ -79,11 +126,11 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
         # Stable descending sort keeps the lower id first among equal logits, so cut-offs on ties are deterministic.
         sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
         if uses_top_k:
-            top_k = torch.tensor([p.top_k if p.top_k != -1 else vocab_size for p in params], device=device)
+            top_k = _on_device([p.top_k if p.top_k != -1 else vocab_size for p in params], device)
             rank = torch.arange(vocab_size, device=device)
             sorted_logits.masked_fill_(rank[None, :] >= top_k[:, None], float("-inf"))
         if uses_top_p:
-            top_p = torch.tensor([p.top_p for p in params], device=device)
+            top_p = _on_device([p.top_p for p in params], device, torch.float32)
             sorted_probs = torch.softmax(sorted_logits, dim=-1)
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
             # Keep a token while the mass of the tokens ranked above it is still short of top_p: the smallest set
@@ -96,7 +143,7 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     probs = torch.softmax(logits, dim=-1)
     if any(p.min_p > 0.0 for p in params):
         # Relative to the row's top probability, which top-k/top-p always keep, so the order of filters is moot here.
-        min_p = torch.tensor([p.min_p for p in params], device=device)
+        min_p = _on_device([p.min_p for p in params], device, torch.float32)
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs
@@ -106,7 +153,7 @@ def _ban(logits: torch.Tensor, banned_token_ids: Sequence[Sequence[int]]) -> Non
     rows = [row for row, banned in enumerate(banned_token_ids) for _ in banned]
     if rows:
         cols = [token_id for banned in banned_token_ids for token_id in banned]
-        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+        logits[_on_device(rows, logits.device), _on_device(cols, logits.device)] = float("-inf")
 
 
 def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:

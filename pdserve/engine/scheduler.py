@@ -52,6 +52,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def has_work_to_schedule(self) -> bool:
+        """Whether a next step would compute anything: a request whose last token is in flight needs nothing."""
+        return bool(self.waiting) or any(not request.ends_when_resolved for request in self.running)
+
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.cfg.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
@@ -62,10 +67,14 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if request.ends_when_resolved:
+                continue  # its last token is in flight: computing past it would be discarded
             num_new = min(request.num_pending_tokens, budget)
             while not self._grow(request, num_new):
-                # never a request already given work this step
-                unscheduled = [r for r in self.running if all(r is not seq.request for seq in scheduled)]
+                # never a request already given work this step, nor one about to end (a prefill-only request keeps
+                # its pages for the KV transfer)
+                unscheduled = [r for r in self.running if all(r is not seq.request for seq in scheduled)
+                               and not r.ends_when_resolved]
                 victim = max(unscheduled, key=lambda r: r.arrival_s)
                 self._preempt(victim)
                 preempted = True

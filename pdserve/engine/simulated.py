@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from pdserve.engine.in_flight import InFlightStep
 from pdserve.engine.scheduler import ScheduledSeq
 from pdserve.engine.step_profile import StepProfile
 from pdserve.engine.step_shape import step_shape
@@ -32,7 +33,8 @@ class SimulatedRunner:
         self.simulated_s = 0.0  # step time slept so far, before scaling
         self._generator = torch.Generator().manual_seed(seed)
 
-    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+    def execute(self, scheduled: list[ScheduledSeq], previous: InFlightStep | None = None) -> torch.Tensor:
+        """`previous` (an overlapped step in flight) is ignored: nothing here reads input ids."""
         seconds = self.profile.step_ms(step_shape(scheduled)) / 1000
         self.simulated_s += seconds
         time.sleep(seconds * self.time_scale)

@@ -23,7 +23,7 @@ def step_shape(scheduled: list[ScheduledSeq]) -> StepShape:
     """The shape of `scheduled`, taken before the step advances its sequences (their computed tokens are then the
     context before the step). A one-token chunk of a sequence that has sampled is a decode; anything else (a prompt
     chunk, a whole prompt but its last token cached, a preempted sequence recomputed) is prefill."""
-    decodes = [seq for seq in scheduled if seq.num_new_tokens == 1 and seq.request.output_token_ids]
+    decodes = [seq for seq in scheduled if seq.num_new_tokens == 1 and seq.request.num_output_tokens]
     prefill_tokens = sum(seq.num_new_tokens for seq in scheduled) - len(decodes)
     context = sum(seq.request.num_computed_tokens + 1 for seq in decodes) / len(decodes) if decodes else 0.0
     return StepShape(len(decodes), context, prefill_tokens, len(scheduled) - len(decodes))
