@@ -25,10 +25,10 @@ class EngineConfig:
                                                                                 "on GPU where it runs)")
     moe_backend: Literal["auto", "torch", "grouped"] = setting("auto", "expert matmuls (auto: grouped on GPU)")
     cuda_graphs: bool = setting(True, "decode under CUDA graphs where it can run (flashinfer attention; not on CPU)")
-    overlap_scheduling: bool = setting(
-        False, "prepare step N+1 on the host while the device runs step N (sampled tokens stay on the device; ends "
-               "are seen one step late and the extra token dropped); batches with grammars or penalties step "
-               "synchronously")
+    overlap_scheduling: Literal["auto", "on", "off"] = setting(
+        "auto", "prepare step N+1 on the host while the device runs step N (sampled tokens stay on the device; ends "
+                "are seen one step late and the extra token dropped; batches with grammars or penalties step "
+                "synchronously). auto: on for GPU devices, where the host's work otherwise stalls the GPU")
     load_format: Literal["safetensors", "random"] = setting("safetensors", "random: the config's shape with random "
                                                                            "weights (benchmarks; no checkpoint needed)")
     seed: int = setting(0, "seed of random weights and of unseeded sampling")

@@ -98,6 +98,8 @@ class Engine:
         (expert parallelism puts its exchange around it, and runs its received rows through it)."""
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
+        self.overlap_scheduling = cfg.overlap_scheduling == "on" or (cfg.overlap_scheduling == "auto"
+                                                                    and self.device.type == "cuda")
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.model_config = ModelConfig.from_dir(cfg.model)
         self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
@@ -281,7 +283,7 @@ class Engine:
         sampling_requests = [seq.request for seq in scheduled if seq.request.num_pending_tokens == 0]
         if not sampling_requests:
             return self._resolve(previous)
-        if self.cfg.overlap_scheduling and not self.logits_processing.needs_sync(sampling_requests):
+        if self.overlap_scheduling and not self.logits_processing.needs_sync(sampling_requests):
             self._in_flight = self._launch_sample(logits, sampling_requests)
             outputs = self._resolve(previous)
             if not self.scheduler.has_work_to_schedule:

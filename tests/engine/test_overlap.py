@@ -80,8 +80,8 @@ def drive(engine: Engine, arrivals: list[Arrival], abort_after: dict[str, int] |
 
 
 def engine_for(model: str, overlap: bool, **options) -> Engine:
-    return Engine(EngineConfig(model=model, dtype="float32", device="cpu", progress=False, overlap_scheduling=overlap,
-                               **options))
+    return Engine(EngineConfig(model=model, dtype="float32", device="cpu", progress=False,
+                               overlap_scheduling="on" if overlap else "off", **options))
 
 
 def assert_every_page_free(engine: Engine) -> None:
@@ -307,7 +307,7 @@ def test_overlapped_graph_decode_gives_the_synchronous_tokens(tiny_model_factory
                 for i, (p, s) in enumerate(zip(prompts, sampling))]
     runs = {}
     for overlap in (False, True):
-        engine = Engine(EngineConfig(model=model, overlap_scheduling=overlap, **options))
+        engine = Engine(EngineConfig(model=model, overlap_scheduling="on" if overlap else "off", **options))
         assert engine.runner.decode_graphs is not None
         runs[overlap] = drive(engine, arrivals, abort_after={"r3": 5})
         assert_every_page_free(engine)
