@@ -23,6 +23,7 @@ from pdserve_router.admission import Admission, authenticate, read_body_limited
 from pdserve_router.config import RouterConfig
 from pdserve_router.dispatch import Dispatcher
 from pdserve_router.errors import APIError
+from pdserve_router.hot_routes import RouterApp
 from pdserve_router.metrics import RouterMetrics
 from pdserve_router.policies import LocalPrefillRule, make_policy
 from pdserve_router.prefix_index import PrefixIndex
@@ -111,7 +112,7 @@ def build_router_app(config: RouterConfig, discovery: Discovery | None = None) -
             await http.close()
             text_workers.close()
 
-    app = FastAPI(title="pdserve router", lifespan=lifespan)
+    app = RouterApp(title="pdserve router", lifespan=lifespan)
     app.state.parts = parts
 
     @app.exception_handler(APIError)
@@ -170,6 +171,8 @@ def build_router_app(config: RouterConfig, discovery: Discovery | None = None) -
     @app.post("/v1/chat/completions", openapi_extra=chat_extra)
     async def chat_completions(request: Request) -> Response:
         return await handle_generation(request, "chat")
+
+    app.hot_posts.update({"/v1/completions": completions, "/v1/chat/completions": chat_completions})
 
     def model_card() -> dict:
         model = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "pdserve"}

@@ -11,8 +11,9 @@ import functools
 from collections.abc import Callable
 from typing import TypeVar
 
+from pdserve.text.tokenizer import SHORT_TEXT_CHARS
+
 T = TypeVar("T")
-INLINE_MAX_CHARS = 1024
 
 
 class TextWorkers:
@@ -23,7 +24,7 @@ class TextWorkers:
     async def run(self, chars: int, fn: Callable[..., T], *args, **kwargs) -> T:
         """fn(*args, **kwargs), for a job over `chars` characters of text."""
         self.jobs_started += 1
-        if chars <= INLINE_MAX_CHARS:
+        if chars <= SHORT_TEXT_CHARS:
             return fn(*args, **kwargs)
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 

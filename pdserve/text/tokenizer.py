@@ -16,6 +16,8 @@ from tokenizers import Tokenizer
 
 from pdserve.text.detokenizer import IncrementalDetokenizer
 
+SHORT_TEXT_CHARS = 1024  # up to this, text is encoded on the calling thread, holding the GIL
+
 
 class PromptError(ValueError):
     """The messages cannot be rendered for this model; `param` names the request field at fault."""
@@ -78,7 +80,10 @@ class PromptTokenizer:
             self._compiled = environment.from_string(template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        # The batch call drops the GIL while it works (a single encode holds it), so other threads run meanwhile.
+        # The batch call drops the GIL while it works (a single encode holds it), so other threads run meanwhile; a
+        # short text is encoded holding it: handing it to the batch call's own threads costs more than the work.
+        if len(text) <= SHORT_TEXT_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         return self.tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: list[int]) -> str:
