@@ -220,14 +220,15 @@ class Engine:
         """Pages for the whole prompt, to be written by a prefill rank; raises NoCapacityError if the pool is full."""
         request = self._new_request(request_id, prompt_token_ids, sampling)
         num_pages = pages_for(len(prompt_token_ids), self.cfg.page_size)
-        if self.device.type == "cuda":
-            # A remote rank writes these pages without regard to our stream: pages freed while a launched step may
-            # still write them (an overlapped step of a request that ended, was aborted or preempted) must wait for it.
-            torch.cuda.current_stream(self.device).synchronize()
         pages = self.prefix_cache.alloc_or_evict(num_pages)
         if pages is None:
             self._forget(request)
             raise NoCapacityError(f"no room for {num_pages} pages ({self.allocator.num_free} free)")
+        if self.device.type == "cuda":
+            # A remote rank writes these pages without regard to our stream: pages freed while a launched step may
+            # still write them (an overlapped step of a request that ended, was aborted or preempted) must wait for
+            # it before their ids leave this rank. Only once they are ours: a full pool is retried, not synced on.
+            torch.cuda.current_stream(self.device).synchronize()
         request.page_ids = pages
         return request
 

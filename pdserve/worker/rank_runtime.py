@@ -62,6 +62,7 @@ from pdserve.worker.warm_up import warm_up
 
 log = logging.getLogger(__name__)
 KV_EVENT_WAIT_S = 1.0  # a KV-event subscriber's long poll; well inside the worker edge's call timeout
+RESERVE_RETRY_S = 0.02  # a decode rank whose pool is full retries a reservation this often
 
 OpenBackend = Callable[[str, torch.Tensor, OnNotification], TransferBackend]
 
@@ -92,9 +93,18 @@ class _EnginePort:
         self._engine = runtime.engine
 
     async def reserve(self, request: GenerateRequest) -> list[int]:
-        reserved = await self._runtime.steps.call(
-            lambda: self._engine.reserve(request.request_id, request.prompt_token_ids, request.sampling))
-        return list(reserved.page_ids)
+        """Pages for the prompt. A full pool is a queue, not a failure (pages free as running requests end): tried
+        again every RESERVE_RETRY_S for up to the prefill timeout; NoCapacityError after that."""
+        deadline_s = time.monotonic() + self._runtime.cfg.prefill_timeout_s
+        while True:
+            try:
+                reserved = await self._runtime.steps.call(
+                    lambda: self._engine.reserve(request.request_id, request.prompt_token_ids, request.sampling))
+                return list(reserved.page_ids)
+            except NoCapacityError:
+                if time.monotonic() + RESERVE_RETRY_S >= deadline_s:
+                    raise
+                await asyncio.sleep(RESERVE_RETRY_S)
 
     async def free(self, request_id: str) -> None:
         await self._runtime.steps.call(lambda: self._engine.abort(request_id))

@@ -257,3 +257,18 @@ def test_a_hand_off_that_never_answers_is_bounded_by_the_timeouts(fresh):
     events = fresh.disaggregated(new_id("bounded"), PROMPT, GREEDY)
     assert events[-1].finish_reason == "error" and "did not come" in events[-1].error
     assert time.monotonic() - started < HANDOFF_BOUND_S + 5.0
+
+
+def test_a_reservation_waits_for_room_in_a_full_pool_instead_of_failing(fresh):
+    """The decode rank's pool is nearly full with a running request: a hand-off that needs more pages than are free
+    waits for them (up to the prefill timeout) and then runs, as a request waits in the engine's queue."""
+    page_size = fresh.decode.engine.cfg.page_size
+    hog = GenerateRequest(new_id("hog"), 0, [2 + i % 400 for i in range(50 * page_size)],
+                          SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), Plan("both"))
+    fresh.decode.steps.test_step_delay_s = 0.01  # the hog holds its 53 of 64 pages for a while
+    hogging = asyncio.run_coroutine_threadsafe(collect(fresh.decode, hog), fresh.loop)
+    assert eventually(lambda: fresh.decode.load().free_pages < 20, timeout_s=10.0)
+    events = fresh.disaggregated(new_id("pd"), [2 + i % 400 for i in range(20 * page_size)], GREEDY)
+    assert events[-1].finish_reason == "length", events[-1].error
+    assert len(tokens(events)) == GREEDY.max_tokens
+    assert hogging.result(30)[-1].finish_reason == "length"
