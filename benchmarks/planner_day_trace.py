@@ -268,7 +268,8 @@ def main() -> None:
     run_parser.add_argument("--slo-itl-s", type=float, default=0.05)
     run_parser.add_argument("--interval-s", type=float, default=2.0, help="planner interval (simulated s)")
     run_parser.add_argument("--start-delay-s", type=float, default=1.0, help="a new worker's start (simulated s)")
-    run_parser.add_argument("--scale-down-window-s", type=float, default=8.0, help="simulated s")
+    run_parser.add_argument("--scale-down-window-s", type=float, default=24.0,
+                            help="simulated s (24: four compressed hours at --hour-s 6)")
     run_parser.add_argument("--seed", type=int, default=0)
     run_parser.add_argument("--out", required=True)
     run_parser.set_defaults(func=run)
