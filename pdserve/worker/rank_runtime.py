@@ -91,20 +91,29 @@ class _EnginePort:
     def __init__(self, runtime: "RankRuntime"):
         self._runtime = runtime
         self._engine = runtime.engine
+        self.waiting_for_room = 0  # reservations waiting for pages: queued work, as the load report counts it
 
     async def reserve(self, request: GenerateRequest) -> list[int]:
         """Pages for the prompt. A full pool is a queue, not a failure (pages free as running requests end): tried
         again every RESERVE_RETRY_S for up to the prefill timeout; NoCapacityError after that."""
         deadline_s = time.monotonic() + self._runtime.cfg.prefill_timeout_s
-        while True:
-            try:
-                reserved = await self._runtime.steps.call(
-                    lambda: self._engine.reserve(request.request_id, request.prompt_token_ids, request.sampling))
-                return list(reserved.page_ids)
-            except NoCapacityError:
-                if time.monotonic() + RESERVE_RETRY_S >= deadline_s:
-                    raise
+        waiting = False
+        try:
+            while True:
+                try:
+                    reserved = await self._runtime.steps.call(
+                        lambda: self._engine.reserve(request.request_id, request.prompt_token_ids, request.sampling))
+                    return list(reserved.page_ids)
+                except NoCapacityError:
+                    if time.monotonic() + RESERVE_RETRY_S >= deadline_s:
+                        raise
+                if not waiting:
+                    waiting = True
+                    self.waiting_for_room += 1
                 await asyncio.sleep(RESERVE_RETRY_S)
+        finally:
+            if waiting:
+                self.waiting_for_room -= 1
 
     async def free(self, request_id: str) -> None:
         await self._runtime.steps.call(lambda: self._engine.abort(request_id))
@@ -162,7 +171,7 @@ class RankRuntime:
             self.backend = SimulatedLink(self.backend, runner.bytes_per_page, runner.seconds_per_page_written)
         self.counters = HandoffCounters()
         self._http = LazyWorkerSession(bearer_headers(cfg.internal_token))
-        port = _EnginePort(self)
+        port = self._port = _EnginePort(self)
         self.sender = Sender(cfg.engine.page_size, cfg.transfer_timeout_s, self.backend, port,
                              lambda event: self._emit([event]), self.counters)
         self.receiver = Receiver(
@@ -221,7 +230,8 @@ class RankRuntime:
     def load(self) -> RankLoad:
         snapshot = self.steps.snapshot
         stats = snapshot.engine
-        return RankLoad(self.cfg.rank, stats.running, stats.waiting, stats.free_pages, stats.total_pages,
+        return RankLoad(self.cfg.rank, stats.running, stats.waiting + self._port.waiting_for_room, stats.free_pages,
+                        stats.total_pages,
                         stats.prefix_cache_pages, snapshot.steps_completed, time.monotonic() - snapshot.turned_s,
                         not self.warmed_up)
 

@@ -268,7 +268,10 @@ def test_a_reservation_waits_for_room_in_a_full_pool_instead_of_failing(fresh):
     fresh.decode.steps.test_step_delay_s = 0.01  # the hog holds its 53 of 64 pages for a while
     hogging = asyncio.run_coroutine_threadsafe(collect(fresh.decode, hog), fresh.loop)
     assert eventually(lambda: fresh.decode.load().free_pages < 20, timeout_s=10.0)
-    events = fresh.disaggregated(new_id("pd"), [2 + i % 400 for i in range(20 * page_size)], GREEDY)
+    waiting = fresh.start_disaggregated(new_id("pd"), [2 + i % 400 for i in range(20 * page_size)], GREEDY)
+    assert eventually(lambda: fresh.decode.load().waiting == 1 or waiting.done(), timeout_s=10.0, interval_s=0.002)
+    assert not waiting.done(), "the reservation should have waited for the hog's pages"  # and was counted as queued
+    events = waiting.result(30)
     assert events[-1].finish_reason == "length", events[-1].error
     assert len(tokens(events)) == GREEDY.max_tokens
     assert hogging.result(30)[-1].finish_reason == "length"
