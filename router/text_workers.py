@@ -21,8 +21,8 @@ class TextWorkers:
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="router-text")
         self.jobs_started = 0  # how many jobs ran, here or on the threads (tests: a refused prompt starts none)
 
-    async def run(self, chars: int, fn: Callable[..., T], *args, **kwargs) -> T:
-        """fn(*args, **kwargs), for a job over `chars` characters of text."""
+    async def run(self, chars: float, fn: Callable[..., T], *args, **kwargs) -> T:
+        """fn(*args, **kwargs), for a job over `chars` characters of text (math.inf: always on a thread)."""
         self.jobs_started += 1
         if chars <= SHORT_TEXT_CHARS:
             return fn(*args, **kwargs)
