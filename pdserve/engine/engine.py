@@ -18,6 +18,7 @@ from pdserve.cache.page_allocator import PageAllocator, pages_for
 from pdserve.cache.radix_cache import NullPrefixCache, RadixCache
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cuda_graphs import decode_graph_config
+from pdserve.engine.device_values import on_device
 from pdserve.engine.in_flight import InFlightStep
 from pdserve.engine.logits_processing import LogitsProcessing
 from pdserve.engine.model_runner import ModelRunner
@@ -298,7 +299,7 @@ class Engine:
         outputs = self._resolve(previous)
         rows = [row for row, request in enumerate(sampling_requests) if request.status is not RequestStatus.FINISHED]
         if len(rows) < len(sampling_requests):
-            logits = logits[torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)]
+            logits = logits[on_device(rows, logits.device)]
             sampling_requests = [sampling_requests[row] for row in rows]
         if not sampling_requests:
             return outputs

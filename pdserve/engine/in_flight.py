@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.engine.device_values import on_device
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import DeviceSample, SampleResult
 
@@ -20,10 +21,7 @@ class CarriedTokens:
     rows: list[int]
 
     def write_into(self, input_ids: torch.Tensor) -> None:
-        device = input_ids.device
-        positions = torch.tensor(self.positions, dtype=torch.int64).to(device, non_blocking=True)
-        rows = torch.tensor(self.rows, dtype=torch.int64).to(device, non_blocking=True)
-        input_ids[positions] = self.source[rows]
+        input_ids[on_device(self.positions, input_ids.device)] = self.source[on_device(self.rows, input_ids.device)]
 
 
 @dataclass

@@ -3,6 +3,7 @@
 import torch
 
 from pdserve.engine.cuda_graphs import DecodeGraphConfig, DecodeGraphs
+from pdserve.engine.device_values import on_device
 from pdserve.engine.in_flight import InFlightStep
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledSeq
@@ -71,20 +72,16 @@ class ModelRunner:
             query_lens=query_lens,
             kv_lens=kv_lens,
             page_table=page_table.to(self.device, non_blocking=True),
-            slot_mapping=self._on_device(slots),
+            slot_mapping=on_device(slots, self.device),
             page_size=self.page_size,
         )
-        ids = self._on_device(input_ids)
+        ids = on_device(input_ids, self.device)
         if carried is not None:
             carried.write_into(ids)
-        pos = self._on_device(positions)
+        pos = on_device(positions, self.device)
         hidden = self.model(ids, pos, self.kv_cache, batch)
-        rows = self._on_device(sample_rows)
+        rows = on_device(sample_rows, self.device)
         return self.model.compute_logits(hidden[rows])
-
-    def _on_device(self, values: list[int]) -> torch.Tensor:
-        """int64 on the device without waiting for it (a blocking copy would wait for the step in flight)."""
-        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
 
 
 def _is_graph_decode(scheduled: list[ScheduledSeq], max_batch_size: int) -> bool:

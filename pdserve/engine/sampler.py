@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.device_values import on_device
 from pdserve.wire.sampling import SamplingParams
 
 
@@ -94,7 +95,7 @@ def sample_on_device(
     token_ids = logits.argmax(dim=-1)
     random_rows = [row for row, row_params in enumerate(params) if not row_params.greedy]
     if random_rows:
-        rows = _on_device(random_rows, logits.device)
+        rows = on_device(random_rows, logits.device)
         probs = filtered_probs(logits[rows], [params[row] for row in random_rows])
         token_ids[rows] = _draw(probs, [generators[row] for row in random_rows])
 
@@ -107,17 +108,11 @@ def sample_on_device(
     return result
 
 
-def _on_device(values: list, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """A tensor on `device` without waiting for it: a blocking host-to-device copy would wait for every kernel
-    queued before it, stalling a host that runs a step ahead (the source is staged at once, so it may go)."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Probabilities [B, V] after temperature, top-k, top-p and min-p, each row by its own params (all non-greedy)."""
     vocab_size = logits.shape[1]
     device = logits.device
-    temperatures = _on_device([p.temperature for p in params], device, torch.float32)
+    temperatures = on_device([p.temperature for p in params], device, torch.float32)
     logits = logits / temperatures[:, None]
 
     uses_top_k = any(p.top_k != -1 for p in params)
@@ -126,11 +121,11 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
         # Stable descending sort keeps the lower id first among equal logits, so cut-offs on ties are deterministic.
         sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
         if uses_top_k:
-            top_k = _on_device([p.top_k if p.top_k != -1 else vocab_size for p in params], device)
+            top_k = on_device([p.top_k if p.top_k != -1 else vocab_size for p in params], device)
             rank = torch.arange(vocab_size, device=device)
             sorted_logits.masked_fill_(rank[None, :] >= top_k[:, None], float("-inf"))
         if uses_top_p:
-            top_p = _on_device([p.top_p for p in params], device, torch.float32)
+            top_p = on_device([p.top_p for p in params], device, torch.float32)
             sorted_probs = torch.softmax(sorted_logits, dim=-1)
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
             # Keep a token while the mass of the tokens ranked above it is still short of top_p: the smallest set
@@ -143,7 +138,7 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     probs = torch.softmax(logits, dim=-1)
     if any(p.min_p > 0.0 for p in params):
         # Relative to the row's top probability, which top-k/top-p always keep, so the order of filters is moot here.
-        min_p = _on_device([p.min_p for p in params], device, torch.float32)
+        min_p = on_device([p.min_p for p in params], device, torch.float32)
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs
@@ -153,7 +148,7 @@ def _ban(logits: torch.Tensor, banned_token_ids: Sequence[Sequence[int]]) -> Non
     rows = [row for row, banned in enumerate(banned_token_ids) for _ in banned]
     if rows:
         cols = [token_id for banned in banned_token_ids for token_id in banned]
-        logits[_on_device(rows, logits.device), _on_device(cols, logits.device)] = float("-inf")
+        logits[on_device(rows, logits.device), on_device(cols, logits.device)] = float("-inf")
 
 
 def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
