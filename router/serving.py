@@ -325,10 +325,14 @@ class Serving:
         if event.token_ids:
             previous = last_token_s.get(output.index)
             if previous is None:
+                # Tokens coalesced with the first arrived with it: each counts as a gap of 0, so every token after
+                # the first is one ITL observation however the worker batched them.
                 self.metrics.observe_ttft(now - arrival_s)
+                gaps = (0.0,) * (len(event.token_ids) - 1)
             else:
-                for _ in event.token_ids:
-                    self.metrics.observe_itl((now - previous) / len(event.token_ids))
+                gaps = ((now - previous) / len(event.token_ids),) * len(event.token_ids)
+            for gap in gaps:
+                self.metrics.observe_itl(gap)
             last_token_s[output.index] = now
         output.text += event.text
         output.token_ids.extend(event.token_ids)

@@ -45,6 +45,8 @@ def test_requests_through_a_real_router_are_counted_with_their_lengths(pd_cluste
     assert traffic.mean_prompt_tokens == pytest.approx(40)
     assert traffic.mean_output_tokens == pytest.approx(8)
     assert 0 < traffic.ttft_p99_s < TIMEOUT_S and 0 < traffic.itl_p99_s < TIMEOUT_S
+    # One gap per token after each request's first, however the worker coalesced its tokens into events.
+    assert once.itl[-1][1] - earlier.itl[-1][1] == pytest.approx(3 + 7 + 11)
     assert later.requests == pytest.approx(2 * once.requests)
 
 
