@@ -25,6 +25,14 @@ class EngineConfig:
                                                                                 "on GPU where it runs)")
     moe_backend: Literal["auto", "torch", "grouped"] = setting("auto", "expert matmuls (auto: grouped on GPU)")
     cuda_graphs: bool = setting(True, "decode under CUDA graphs where it can run (flashinfer attention; not on CPU)")
+    expert_exchange: Literal["auto", "fixed", "splits"] = setting(
+        "auto", "expert parallelism's exchange in decode steps. fixed: C rows per peer, no host wait, so decode runs "
+                "under CUDA graphs (a step where some rank's pairs overflow C runs again with split sizes); splits: "
+                "split sizes exchanged first (eager steps). Prefill steps always exchange split sizes. auto: fixed "
+                "where decode graphs run")
+    expert_capacity_factor: float = setting(
+        2.0, "fixed exchange: C as a multiple of an even share of a step's (token, expert) pairs (at the number of "
+             "ranks or more, C holds every pair and nothing can overflow)")
     overlap_scheduling: Literal["auto", "on", "off"] = setting(
         "auto", "prepare step N+1 on the host while the device runs step N (sampled tokens stay on the device; ends "
                 "are seen one step late and the extra token dropped; batches with grammars or penalties step "
@@ -51,6 +59,8 @@ class EngineConfig:
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),
             (self.attention_backend in ("auto", "torch", "flashinfer"), "attention_backend: auto, torch or flashinfer"),
             (self.moe_backend in ("auto", "torch", "grouped"), "moe_backend: auto, torch or grouped"),
+            (self.expert_exchange in ("auto", "fixed", "splits"), "expert_exchange: auto, fixed or splits"),
+            (self.expert_capacity_factor > 0, "expert_capacity_factor must be > 0"),
             (self.load_format in ("safetensors", "random"), "load_format: safetensors or random"),
             (self.execution in ("model", "simulated"), "execution: model or simulated"),
             (self.time_scale > 0, "time_scale must be > 0"),

@@ -22,6 +22,7 @@ from pdserve.engine.in_flight import CarriedTokens
 from pdserve.model.deepseek import DeepseekForCausalLM
 from pdserve.ops.attention import AttentionBatch
 from pdserve.ops.attention_flashinfer import WORKSPACE_BYTES, FlashInferMLA, FlashInferMLAGraphSlot
+from pdserve.ops.moe_ep import ExpertParallelMoE
 from pdserve.ops.select import Backends
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,11 @@ class _PlannedStep:
 
 class DecodeGraphs:
     def __init__(self, model: DeepseekForCausalLM, kv_cache: torch.Tensor, page_size: int, cfg: DecodeGraphConfig,
-                 scratch_page: int):
+                 scratch_page: int, exchange: ExpertParallelMoE | None = None):
+        """`exchange`: under expert parallelism, each size's graph holds the exchange at that size's fixed capacity
+        (every rank captures the same sizes in the same order, as their collectives require)."""
         self.model, self.kv_cache, self.page_size = model, kv_cache, page_size
+        self.exchange = exchange
         self.sizes = cfg.batch_sizes
         self.scratch_page = scratch_page
         device = kv_cache.device
@@ -108,24 +112,31 @@ class DecodeGraphs:
         def step() -> torch.Tensor:
             return self.model.compute_logits(self.model(ids, positions, self.kv_cache, batch, backends))
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()  # warm-up outside the capture: lazy initialisation and kernel selection happen here
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            logits = step()
+        if self.exchange is not None:
+            self.exchange.fixed_tokens = size
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                step()  # warm-up outside the capture: lazy initialisation and kernel selection happen here
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = step()
+        finally:
+            if self.exchange is not None:
+                self.exchange.fixed_tokens = None
         return _CapturedStep(graph, attention, logits)
 
     @torch.inference_mode()  # the plan buffers were made under inference mode, at capture
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], kv_lens: list[int],
-            page_ids: list[list[int]], carried: CarriedTokens | None = None) -> torch.Tensor:
+            page_ids: list[list[int]], carried: CarriedTokens | None = None, at_least: int = 0) -> torch.Tensor:
         """One new token per sequence (at most max_batch_size); float32 logits [num seqs, vocab], valid until the
         next run but one. `carried`: input ids still on the device (the previous step's sampled tokens, under
-        overlapped scheduling), copied into the graph's input buffer behind the host's."""
+        overlapped scheduling), copied into the graph's input buffer behind the host's. `at_least`: the size the
+        expert-parallel ranks agreed on (every rank replays the same graph; an idle rank's rows are all padding)."""
         num_seqs = len(input_ids)
-        size = next(s for s in self.sizes if s >= num_seqs)
+        size = next(s for s in self.sizes if s >= max(num_seqs, at_least, 1))
         pad = size - num_seqs
         padded_lens = kv_lens + [1] * pad
         padded_pages = page_ids + [[self.scratch_page]] * pad
@@ -165,7 +176,8 @@ class DecodeGraphs:
         """Plan the other capture for the same sequences one token longer, while the GPU runs this step. A page the
         longer sequence will need but does not own yet is a placeholder until run() copies the real ids in."""
         next_lens = [n + 1 for n in kv_lens]
-        if pages_for(max(next_lens), self.page_size) > self.max_pages_per_seq:  # past the longest sequence captured for
+        # Nothing to plan for an idle rank, nor past the longest sequence captured for.
+        if not next_lens or pages_for(max(next_lens), self.page_size) > self.max_pages_per_seq:
             self._planned_ahead = None
             return
         next_pages = [pages if pages_for(n, self.page_size) <= len(pages) else pages + [self.scratch_page]

@@ -24,7 +24,7 @@ from pdserve.engine.logits_processing import LogitsProcessing
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import SampleResult, sample, sample_on_device
-from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from pdserve.engine.simulated import SimulatedRunner
 from pdserve.engine.step_profile import DEFAULT_PROFILE, StepProfile
 from pdserve.engine.step_shape import StepShape, step_shape
@@ -33,6 +33,7 @@ from pdserve.model.deepseek import DeepseekForCausalLM
 from pdserve.model.loader import build_model, load_model
 from pdserve.model.random_init import init_random_weights
 from pdserve.ops.moe import ExpertRange, MoEBackend
+from pdserve.ops.moe_ep import ExpertParallelMoE
 from pdserve.ops.select import select_backends
 from pdserve.text.detokenizer import IncrementalDetokenizer
 from pdserve.text.tokenizer import PromptTokenizer, has_tokenizer
@@ -77,6 +78,7 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     expert_weight_bytes: int = 0
+    expert_exchange_overflows: int = 0  # fixed-capacity decode steps run again with split sizes
 
 
 def resolve_device(name: str) -> torch.device:
@@ -112,13 +114,19 @@ class Engine:
             self.runner: ModelRunner | SimulatedRunner = SimulatedRunner(
                 profile, self.model_config.vocab_size, num_pages, cfg.page_size, cfg.time_scale, cfg.seed)
             self.expert_weight_bytes, described = 0, f"simulated ({profile.name})"
+            self.fixed_exchange: ExpertParallelMoE | None = None
         else:
             model = self._build_model(cfg, experts, wrap_moe)
             num_pages = cfg.num_pages or self._pages_that_fit()
-            # Expert parallelism exchanges variable-sized batches between ranks: not capturable in a graph.
-            use_graphs = cfg.cuda_graphs and wrap_moe is None
+            exchange = model.backends.moe if isinstance(model.backends.moe, ExpertParallelMoE) else None
+            # Under expert parallelism a graph holds the fixed-capacity exchange; with split sizes nothing can.
+            use_graphs = cfg.cuda_graphs and (exchange is None or cfg.expert_exchange != "splits")
             graphs = decode_graph_config(use_graphs, model, cfg.max_num_seqs, self.max_model_len, cfg.page_size)
-            self.runner = ModelRunner(model, num_pages, cfg.page_size, self.device, self.dtype, graphs)
+            # The exchange the ranks agree on before each step: none where every step exchanges split sizes.
+            fixed = cfg.expert_exchange == "fixed" or graphs is not None
+            self.fixed_exchange = exchange if fixed else None
+            self.runner = ModelRunner(model, num_pages, cfg.page_size, self.device, self.dtype, graphs,
+                                      self.fixed_exchange)
             self.expert_weight_bytes = model.routed_expert_bytes()
             described = (f"routed experts [{model.expert_range.first}, +{model.expert_range.count}): "
                          f"{self.expert_weight_bytes} bytes")
@@ -266,6 +274,7 @@ class Engine:
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
             expert_weight_bytes=self.expert_weight_bytes,
+            expert_exchange_overflows=self.fixed_exchange.exchange.overflow_steps if self.fixed_exchange else 0,
         )
 
     # --- the step -------------------------------------------------------------------------------------------
@@ -278,7 +287,7 @@ class Engine:
         self.last_step = step_shape(scheduled)
         if not scheduled and not force_forward:
             return self._resolve(previous)
-        logits = self.runner.execute(scheduled, previous)
+        logits = self._execute(scheduled, previous)
         if not scheduled:
             return self._resolve(previous)
         self.scheduler.advance(scheduled)
@@ -308,6 +317,20 @@ class Engine:
                         processing.banned_token_ids, processing.apply)
         return outputs + [self._append_token(request, _sampled(result, i, request.sampling))
                           for i, request in enumerate(sampling_requests)]
+
+    def _execute(self, scheduled: list[ScheduledSeq], previous: InFlightStep | None) -> torch.Tensor:
+        """The forward pass; under expert parallelism with the fixed-capacity exchange, the ranks first agree on the
+        step's size (every rank calls this, an idle one with nothing scheduled), and a step in which some rank's
+        pairs overflowed runs again with split sizes on every rank (rewriting the same KV slots)."""
+        exchange = self.fixed_exchange
+        if exchange is None:
+            return self.runner.execute(scheduled, previous)
+        fixed_tokens = exchange.agree_fixed_tokens(self.runner.fixed_step_tokens(scheduled))
+        logits = self.runner.execute(scheduled, previous, fixed_tokens)
+        if (fixed_tokens is not None and exchange.may_overflow(fixed_tokens, self.model_config.num_experts_per_tok)
+                and exchange.overflowed_anywhere()):
+            logits = self.runner.execute(scheduled, previous)
+        return logits
 
     def _launch_sample(self, logits: torch.Tensor, requests: list[Request]) -> InFlightStep:
         """Sample on the device and start the copy to the host; each request counts one more unresolved token."""

@@ -9,30 +9,46 @@ from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledSeq
 from pdserve.model.deepseek import DeepseekForCausalLM
 from pdserve.ops.attention import AttentionBatch
+from pdserve.ops.moe_ep import ExpertParallelMoE
 
 
 class ModelRunner:
     def __init__(self, model: DeepseekForCausalLM, num_pages: int, page_size: int, device: torch.device,
-                 dtype: torch.dtype, graphs: DecodeGraphConfig | None = None):
+                 dtype: torch.dtype, graphs: DecodeGraphConfig | None = None,
+                 fixed_exchange: ExpertParallelMoE | None = None):
+        """`fixed_exchange`: the expert-parallel MoE backend, where decode steps use its fixed-capacity exchange."""
         cfg = model.cfg
         self.model = model
         self.page_size = page_size
         self.device = device
+        self.fixed_exchange = fixed_exchange
         # One tensor for every layer: [layers, pages, page_size, kv_dim]; NIXL registers it once.
         # With graphs, one extra page past the allocator's range takes the KV of padding rows.
         pool_pages = num_pages + (1 if graphs else 0)
         self.kv_cache = torch.zeros(cfg.num_hidden_layers, pool_pages, page_size, cfg.kv_dim, dtype=dtype, device=device)
-        self.decode_graphs = DecodeGraphs(model, self.kv_cache, page_size, graphs, num_pages) if graphs else None
+        self.decode_graphs = DecodeGraphs(model, self.kv_cache, page_size, graphs, num_pages, fixed_exchange) \
+            if graphs else None
+
+    def fixed_step_tokens(self, scheduled: list[ScheduledSeq]) -> int | None:
+        """What this rank offers for a fixed-capacity exchange: its decode batch (0 when idle), or None where the step
+        needs split sizes (a prefill chunk, or more sequences than the largest graph)."""
+        if not all(seq.num_new_tokens == 1 and seq.samples for seq in scheduled):
+            return None
+        if self.decode_graphs is not None and len(scheduled) > self.decode_graphs.max_batch_size:
+            return None
+        return len(scheduled)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq], previous: InFlightStep | None = None) -> torch.Tensor:
+    def execute(self, scheduled: list[ScheduledSeq], previous: InFlightStep | None = None,
+                fixed_tokens: int | None = None) -> torch.Tensor:
         """Run the step; returns float32 logits [num sampling seqs, vocab] in the order of `scheduled`. Nothing here
         waits for the device.
 
         `previous`: the overlapped step before this one, whose sampled tokens the host has not read yet; a sequence's
         last token may be one of them, and is then taken from the device. An empty `scheduled` runs a forward pass
         over zero tokens: under expert parallelism an idle rank still has to join every MoE exchange of its peers'
-        step."""
+        step. `fixed_tokens`: the decode size every expert-parallel rank agreed on for the fixed-capacity exchange
+        (a graph of at least that size, where graphs run); None: split sizes, eagerly."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -63,8 +79,9 @@ class ModelRunner:
                 raise RuntimeError(f"request {carried_requests[0].request_id!r} has an unresolved token, but no "
                                    "step is in flight")
             carried = previous.carried(carried_positions, carried_requests)
-        if self.decode_graphs is not None and _is_graph_decode(scheduled, self.decode_graphs.max_batch_size):
-            return self.decode_graphs.run(input_ids, positions, slots, kv_lens, page_tables, carried)
+        if self.decode_graphs is not None and (fixed_tokens is not None if self.fixed_exchange is not None
+                                               else _is_graph_decode(scheduled, self.decode_graphs.max_batch_size)):
+            return self.decode_graphs.run(input_ids, positions, slots, kv_lens, page_tables, carried, fixed_tokens or 0)
         max_pages = max((len(p) for p in page_tables), default=0)
         page_table = torch.tensor([p + [0] * (max_pages - len(p)) for p in page_tables], dtype=torch.int64).view(
             len(page_tables), max_pages)
@@ -79,7 +96,13 @@ class ModelRunner:
         if carried is not None:
             carried.write_into(ids)
         pos = on_device(positions, self.device)
-        hidden = self.model(ids, pos, self.kv_cache, batch)
+        if self.fixed_exchange is not None:
+            self.fixed_exchange.fixed_tokens = fixed_tokens
+        try:
+            hidden = self.model(ids, pos, self.kv_cache, batch)
+        finally:
+            if self.fixed_exchange is not None:
+                self.fixed_exchange.fixed_tokens = None
         rows = on_device(sample_rows, self.device)
         return self.model.compute_logits(hidden[rows])
 

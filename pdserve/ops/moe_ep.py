@@ -6,8 +6,14 @@ backend (grouped GEMM on the GPU, TorchMoE on the CPU) as one-expert tokens of w
 routing weights and sums each token's experts in ascending expert id, the order TorchMoE uses, so float32 results
 match one rank holding all.
 Every rank must call forward the same number of times (an empty batch still joins each collective).
+
+Decode steps can use a fixed-capacity exchange instead (`fixed_tokens` set, the same on every rank): each rank
+reserves C rows for each peer, the all-to-alls move equal splits, and nothing waits on the host, so the step can be
+captured in a CUDA graph. A pair past its owner's C rows is dropped and raises the overflow flag; the engine then
+runs the step again with split sizes (`overflowed_anywhere`), so no result ever comes from a dropped pair.
 """
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -23,7 +29,9 @@ class ExchangeStats:
 
     calls: int = 0
     seconds: float = 0.0
-    sent_rows: int = 0
+    sent_rows: int = 0  # (token, expert) pairs sent; padding rows of the fixed-capacity exchange not counted
+    fixed_calls: int = 0  # of `calls`, those through the fixed-capacity exchange
+    overflow_steps: int = 0  # fixed-capacity steps some rank overflowed, run again with split sizes
 
 
 def expert_owner_range(rank: int, world_size: int, num_experts: int) -> tuple[int, int]:
@@ -34,19 +42,62 @@ def expert_owner_range(rank: int, world_size: int, num_experts: int) -> tuple[in
     return rank * count, count
 
 
+def capacity_rows(tokens: int, top_k: int, world_size: int, factor: float) -> int:
+    """Rows a rank reserves for each peer when every rank sends at most `tokens` tokens: `factor` times an even share
+    of their (token, expert) pairs, and never more than all of them (at that size no pair can overflow)."""
+    pairs = tokens * top_k
+    return min(pairs, math.ceil(factor * pairs / world_size))
+
+
 class ExpertParallelMoE:
     """MoEBackend over `group`; `local` computes this rank's experts; `sync_timing` waits for the device around the
-    exchange so its time is exact."""
+    exchange so its time is exact; `capacity_factor` sizes the fixed-capacity exchange (capacity_rows)."""
 
     def __init__(self, group: dist.ProcessGroup | None, num_experts: int, local: MoEBackend | None = None,
-                 sync_timing: bool = False):
+                 sync_timing: bool = False, capacity_factor: float = 2.0):
         self.group = group
         self.local = local or TorchMoE()
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.first_expert, self.experts_per_rank = expert_owner_range(self.rank, self.world_size, num_experts)
         self.sync_timing = sync_timing
+        self.capacity_factor = capacity_factor
         self.exchange = ExchangeStats()
+        # Tokens per rank of the current fixed-capacity step (every rank alike), or None: split sizes exchanged.
+        self.fixed_tokens: int | None = None
+        self._overflow: torch.Tensor | None = None  # one persistent flag on the device, raised in place (graph-safe)
+
+    def agree_fixed_tokens(self, tokens: int | None) -> int | None:
+        """A collective: every rank offers its decode step's token count, or None where its step needs the exchange
+        with split sizes (a prefill chunk, a batch larger than any graph). The most tokens of any rank, or None if
+        any rank said None."""
+        offer = torch.tensor([int(tokens is None), tokens or 0], dtype=torch.int64, device=self._device())
+        dist.all_reduce(offer, op=dist.ReduceOp.MAX, group=self.group)
+        needs_splits, most = offer.tolist()
+        return None if needs_splits else most
+
+    def may_overflow(self, tokens: int, top_k: int) -> bool:
+        return capacity_rows(tokens, top_k, self.world_size, self.capacity_factor) < tokens * top_k
+
+    @torch.inference_mode()  # the flag was made in the forward pass, under inference mode
+    def overflowed_anywhere(self) -> bool:
+        """A collective: whether any rank's fixed-capacity exchange dropped a pair since the last call (then the step
+        must run again with split sizes, on every rank). Clears the flag."""
+        flag = self._overflow_flag(self._device()).to(torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        self._overflow.zero_()
+        overflowed = bool(flag.item())
+        self.exchange.overflow_steps += overflowed
+        return overflowed
+
+    def _device(self) -> torch.device:
+        # gloo reduces CPU tensors, NCCL device tensors
+        return torch.device("cuda") if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+
+    def _overflow_flag(self, device: torch.device) -> torch.Tensor:
+        if self._overflow is None:
+            self._overflow = torch.zeros(1, dtype=torch.bool, device=device)
+        return self._overflow
 
     def forward(self, x, topk_ids, topk_weights, w13, w2, first_expert: int):
         if first_expert != self.first_expert or w13.shape[0] != self.experts_per_rank:
@@ -58,6 +109,15 @@ class ExpertParallelMoE:
         flat_ids = topk_ids.reshape(-1)
         owner = torch.div(flat_ids, self.experts_per_rank, rounding_mode="floor")
         order = torch.argsort(owner, stable=True)  # pairs grouped by owner; token order kept inside a group
+        if self.fixed_tokens is not None:
+            per_pair = self._exchange_fixed(x, flat_ids, owner, order, k, w13, w2)
+        else:
+            per_pair = self._exchange_splits(x, flat_ids, owner, order, k, w13, w2)
+        return _combine(per_pair.view(num_tokens, k, x.shape[1]), topk_ids, topk_weights, x.dtype)
+
+    def _exchange_splits(self, x, flat_ids, owner, order, k: int, w13, w2) -> torch.Tensor:
+        """Split sizes first (the host reads them), then exactly the rows each owner needs. Each pair's unweighted
+        expert output, in pair order [T * k, hidden]."""
         send_counts = torch.bincount(owner, minlength=self.world_size)
         send_x = x[torch.div(order, k, rounding_mode="floor")]
         send_ids = flat_ids[order]
@@ -80,14 +140,56 @@ class ExpertParallelMoE:
         combine_started = self._clock()
         back = x.new_empty(send_x.shape)
         dist.all_to_all_single(back, expert_out, send_split, recv_split, group=self.group)
-        finished = self._clock()
-        self.exchange.calls += 1
-        self.exchange.seconds += (dispatched - started) + (finished - combine_started)
-        self.exchange.sent_rows += int(send_x.shape[0])
+        self._count(started, dispatched, combine_started, int(send_x.shape[0]))
 
         per_pair = torch.empty_like(back)
         per_pair[order] = back
-        return _combine(per_pair.view(num_tokens, k, x.shape[1]), topk_ids, topk_weights, x.dtype)
+        return per_pair
+
+    def _exchange_fixed(self, x, flat_ids, owner, order, k: int, w13, w2) -> torch.Tensor:
+        """C rows per (rank, peer), padding marked by expert id -1; no host reads, so a graph can hold it. Pairs
+        past their owner's C rows are dropped (their output reads as zero) and raise the overflow flag."""
+        num_pairs = flat_ids.shape[0]
+        if num_pairs > self.fixed_tokens * k:
+            raise ValueError(f"{num_pairs // k} tokens in a fixed-capacity step of {self.fixed_tokens}")
+        capacity = capacity_rows(self.fixed_tokens, k, self.world_size, self.capacity_factor)
+        rows = self.world_size * capacity
+        sorted_owner = owner[order]
+        # scatter_add, not bincount: bincount sizes its output from the largest value, which the host would wait for
+        counts = torch.zeros(self.world_size, dtype=torch.int64, device=x.device).scatter_add_(
+            0, owner, torch.ones_like(owner))
+        place = torch.arange(num_pairs, device=x.device) - (torch.cumsum(counts, 0) - counts)[sorted_owner]
+        # Where each sorted pair goes in the send buffer; dropped pairs go to one spare row past the end.
+        slot = torch.where(place < capacity, sorted_owner * capacity + place, rows)
+        self._overflow_flag(x.device).logical_or_((counts > capacity).any())
+        send_x = x.new_zeros(rows + 1, x.shape[1]).index_copy_(0, slot, x[torch.div(order, k, rounding_mode="floor")])
+        send_ids = flat_ids.new_full((rows + 1,), -1).index_copy_(0, slot, flat_ids[order])
+
+        started = self._clock()
+        recv_x, recv_ids = torch.empty_like(send_x[:rows]), torch.empty_like(send_ids[:rows])
+        dist.all_to_all_single(recv_x, send_x[:rows], group=self.group)
+        dist.all_to_all_single(recv_ids, send_ids[:rows], group=self.group)
+        dispatched = self._clock()
+
+        # Padding rows carry expert -1, which no rank holds: the local backend leaves them zero (weight 0).
+        is_pair = (recv_ids >= 0).to(torch.float32)[:, None]
+        expert_out = self.local.forward(recv_x, recv_ids[:, None], is_pair, w13, w2, self.first_expert)
+
+        combine_started = self._clock()
+        back = x.new_zeros(rows + 1, x.shape[1])  # the spare row stays zero: a dropped pair reads it
+        dist.all_to_all_single(back[:rows], expert_out, group=self.group)
+        self._count(started, dispatched, combine_started, num_pairs)
+        self.exchange.fixed_calls += 1
+
+        per_pair = torch.empty(num_pairs, x.shape[1], dtype=x.dtype, device=x.device)
+        per_pair[order] = back[slot]
+        return per_pair
+
+    def _count(self, started: float, dispatched: float, combine_started: float, sent_rows: int) -> None:
+        finished = self._clock()
+        self.exchange.calls += 1
+        self.exchange.seconds += (dispatched - started) + (finished - combine_started)
+        self.exchange.sent_rows += sent_rows
 
     def _clock(self) -> float:
         if self.sync_timing and torch.cuda.is_available():

@@ -60,6 +60,9 @@ class WorkerMetrics:
                                                 lambda s, c: c.reservations_refused),
             "pdserve_kv_notifications_rejected": ("KV notifications for no reservation awaiting one",
                                                   lambda s, c: c.notifications_rejected),
+            "pdserve_expert_exchange_overflow_steps": (
+                "Fixed-capacity expert-parallel decode steps run again with split sizes (some rank overflowed)",
+                lambda s, c: s.expert_exchange_overflows),
         }
         for name, (doc, read) in gauges.items():
             family = GaugeMetricFamily(name, doc, labels=LABELS)

@@ -188,7 +188,8 @@ class RankRuntime:
         num_experts = ModelConfig.from_dir(cfg.engine.model).n_routed_experts
         experts = ExpertRange(*expert_owner_range(dist.get_rank(), dist.get_world_size(), num_experts))
         engine = Engine(cfg.engine, experts, self._record_kv_events,
-                        wrap_moe=lambda local: ExpertParallelMoE(None, num_experts, local))
+                        wrap_moe=lambda local: ExpertParallelMoE(
+                            None, num_experts, local, capacity_factor=cfg.engine.expert_capacity_factor))
         log.info("rank %s of %s: routed experts [%s, %s), %.1f MiB of expert weights", cfg.rank, cfg.world_size,
                  experts.first, experts.first + experts.count, engine.runner.model.routed_expert_bytes() / 2**20)
         return engine, Lockstep(None, engine.device)

@@ -28,14 +28,21 @@ def prompts_for(world_size: int) -> list[list[list[int]]]:
     return per_rank
 
 
-def _rank_main(rank: int, world_size: int, port: int, model: str, prompts: list[list[int]], results) -> None:
+def _rank_main(rank: int, world_size: int, port: int, model: str, prompts: list[list[int]], exchange: str,
+               capacity_factor: float, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         num_experts = ModelConfig.from_dir(model).n_routed_experts
         experts = ExpertRange(*expert_owner_range(rank, world_size, num_experts))
-        engine = Engine(EngineConfig(model=model, dtype="float32", device="cpu", num_pages=64, progress=False),
-                        experts=experts, wrap_moe=lambda local: ExpertParallelMoE(None, num_experts, local))
+        backends: list[ExpertParallelMoE] = []
+
+        def wrap(local):
+            backends.append(ExpertParallelMoE(None, num_experts, local, capacity_factor=capacity_factor))
+            return backends[-1]
+
+        engine = Engine(EngineConfig(model=model, dtype="float32", device="cpu", num_pages=64, progress=False,
+                                     expert_exchange=exchange), experts=experts, wrap_moe=wrap)
         for i, ids in enumerate(prompts):
             engine.add_request(f"r{rank}-{i}", ids, SAMPLING)
         tokens: dict[str, list[int]] = {f"r{rank}-{i}": [] for i in range(len(prompts))}
@@ -45,20 +52,26 @@ def _rank_main(rank: int, world_size: int, port: int, model: str, prompts: list[
             for out in engine.step(force_forward=True):
                 tokens[out.request_id].extend(out.new_token_ids)
         results.put((rank, [tokens[f"r{rank}-{i}"] for i in range(len(prompts))], steps,
-                     engine.stats().expert_weight_bytes))
+                     engine.stats().expert_weight_bytes, backends[0].exchange))
     finally:
         dist.destroy_process_group()
 
 
-def run_instance(model: str, per_rank: list[list[list[int]]]) -> dict:
+def run_instance(model: str, per_rank: list[list[list[int]]], exchange: str, capacity_factor: float) -> dict:
     port = free_port()
-    return run_spawned_ranks(_rank_main, [(r, len(per_rank), port, model, prompts)
+    return run_spawned_ranks(_rank_main, [(r, len(per_rank), port, model, prompts, exchange, capacity_factor)
                                           for r, prompts in enumerate(per_rank)], 90)
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("arch", "world_size"), [("v2", 2), ("v3", 4)])
-def test_expert_parallel_greedy_tokens_equal_one_rank_with_all_experts(tiny_model_factory, arch, world_size):
+@pytest.mark.parametrize(("arch", "world_size", "exchange", "capacity_factor"), [
+    ("v2", 2, "splits", 2.0),
+    ("v3", 4, "splits", 2.0),
+    ("v2", 2, "fixed", 2.0),  # C holds every pair: decode steps never overflow
+    ("v3", 4, "fixed", 0.5),  # C is half an even share: steps overflow and run again with split sizes
+])
+def test_expert_parallel_greedy_tokens_equal_one_rank_with_all_experts(tiny_model_factory, arch, world_size, exchange,
+                                                                       capacity_factor):
     model = tiny_model_factory(arch)
     per_rank = prompts_for(world_size)
     threads = torch.get_num_threads()
@@ -70,10 +83,12 @@ def test_expert_parallel_greedy_tokens_equal_one_rank_with_all_experts(tiny_mode
         all_expert_bytes = llm.engine.stats().expert_weight_bytes
     finally:
         torch.set_num_threads(threads)
-    got = run_instance(model, per_rank)
+    got = run_instance(model, per_rank, exchange, capacity_factor)
     steps = {got[rank][1] for rank in got}
     assert len(steps) == 1, f"ranks ran different numbers of forward passes: {steps}"
     for rank, prompts in enumerate(per_rank):
-        tokens, _, expert_bytes = got[rank]
+        tokens, _, expert_bytes, stats = got[rank]
         assert tokens == [next(expected) for _ in prompts], f"rank {rank}"
         assert expert_bytes * world_size == all_expert_bytes
+        assert (stats.fixed_calls > 0) == (exchange == "fixed")
+        assert (stats.overflow_steps > 0) == (capacity_factor < 1), stats  # every rank counts the agreed overflows

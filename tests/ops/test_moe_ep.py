@@ -27,29 +27,34 @@ def random_problem(tokens_per_rank: list[int]):
     return w13, w2, inputs
 
 
-def _rank_main(rank: int, world_size: int, port: int, tokens_per_rank: list[int], results) -> None:
+def _rank_main(rank: int, world_size: int, port: int, tokens_per_rank: list[int], fixed: bool, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         w13, w2, inputs = random_problem(tokens_per_rank)
         first, count = expert_owner_range(rank, world_size, NUM_EXPERTS)
-        backend = ExpertParallelMoE(None, NUM_EXPERTS)
+        backend = ExpertParallelMoE(None, NUM_EXPERTS, capacity_factor=world_size)  # C holds every pair
+        if fixed:
+            backend.fixed_tokens = backend.agree_fixed_tokens(tokens_per_rank[rank])
         x, ids, weights = inputs[rank]
         outs = [backend.forward(x, ids, weights, w13[first:first + count], w2[first:first + count], first)
                 for _ in range(2)]  # twice: the second call reuses the same group state
-        results.put((rank, outs[0], torch.equal(outs[0], outs[1]), backend.exchange.calls))
+        overflowed = backend.overflowed_anywhere() if fixed else False
+        results.put((rank, outs[0], torch.equal(outs[0], outs[1]), backend.exchange, overflowed))
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(tokens_per_rank: list[int]) -> dict:
+def run_ranks(tokens_per_rank: list[int], fixed: bool) -> dict:
     world_size, port = len(tokens_per_rank), free_port()
-    return run_spawned_ranks(_rank_main, [(r, world_size, port, tokens_per_rank) for r in range(world_size)], 60)
+    return run_spawned_ranks(_rank_main, [(r, world_size, port, tokens_per_rank, fixed) for r in range(world_size)],
+                             60)
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("fixed", [False, True], ids=["split-sizes", "fixed-capacity"])
 @pytest.mark.parametrize("tokens_per_rank", [[5, 9], [7, 0, 12, 3]], ids=["world2", "world4-one-empty"])
-def test_expert_parallel_moe_equals_torch_moe_with_all_experts(tokens_per_rank):
+def test_expert_parallel_moe_equals_torch_moe_with_all_experts(tokens_per_rank, fixed):
     w13, w2, inputs = random_problem(tokens_per_rank)
     x = torch.cat([i[0] for i in inputs])
     ids = torch.cat([i[1] for i in inputs])
@@ -60,12 +65,41 @@ def test_expert_parallel_moe_equals_torch_moe_with_all_experts(tokens_per_rank):
         expected = TorchMoE().forward(x, ids, weights, w13, w2, 0).split(tokens_per_rank)
     finally:
         torch.set_num_threads(threads)
-    got = run_ranks(tokens_per_rank)
+    got = run_ranks(tokens_per_rank, fixed)
     for rank, num_tokens in enumerate(tokens_per_rank):
-        out, repeatable, calls = got[rank]
+        out, repeatable, stats, overflowed = got[rank]
         assert out.shape == (num_tokens, HIDDEN)
         assert torch.equal(out, expected[rank]), f"rank {rank} differs by {(out - expected[rank]).abs().max()}"
-        assert repeatable and calls == 2
+        assert repeatable and stats.calls == 2 and stats.fixed_calls == (2 if fixed else 0)
+        assert stats.sent_rows == 2 * num_tokens * TOP_K and not overflowed
+
+
+def _overflow_rank(rank: int, world_size: int, port: int, results) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        w13, w2, inputs = random_problem([6, 6])
+        first, count = expert_owner_range(rank, world_size, NUM_EXPERTS)
+        backend = ExpertParallelMoE(None, NUM_EXPERTS, capacity_factor=0.25)  # C = 3 rows of an even share of 9
+        backend.fixed_tokens = 6
+        # Rank 0 sends every pair to rank 1's experts: 18 pairs for 3 rows. Rank 1 stays within its capacity.
+        x, ids, weights = inputs[rank]
+        if rank == 0:
+            ids = torch.tensor([[4, 5, 6]] * 6)
+        out = backend.forward(x, ids, weights, w13[first:first + count], w2[first:first + count], first)
+        results.put((rank, bool(torch.isfinite(out).all()), backend.overflowed_anywhere(),
+                     backend.overflowed_anywhere(), backend.exchange.overflow_steps))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_an_overflowing_fixed_capacity_exchange_is_seen_by_every_rank_once():
+    """The rank that dropped pairs and its peer both learn of it (the step must run again everywhere); the flag then
+    clears, and the count stays."""
+    port = free_port()
+    got = run_spawned_ranks(_overflow_rank, [(r, 2, port) for r in range(2)], 60)
+    assert got[0] == got[1] == [True, True, False, 1]
 
 
 @pytest.mark.gpu
@@ -88,5 +122,50 @@ def test_one_rank_nccl_exchange_with_grouped_local_experts_equals_grouped_moe():
         got = ExpertParallelMoE(None, num_experts, GroupedMoE()).forward(x, ids, weights, w13, w2, 0).float()
         assert not torch.isnan(got).any()
         assert ((got - expected).norm() / expected.norm()).item() < 1e-2
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_one_rank_fixed_capacity_exchange_replays_in_a_cuda_graph():
+    """The fixed-capacity exchange holds no host wait: captured once at 64 tokens, replayed on a smaller batch written
+    into the same buffers, it equals GroupedMoE holding every expert (NCCL, one rank, bf16)."""
+    from pdserve.ops.moe_grouped import GroupedMoE
+
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        gen = torch.Generator().manual_seed(5)
+        num_experts, hidden, inter, top_k, size = 16, 256, 128, 4, 64
+        w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).cuda().bfloat16()
+        w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5).cuda().bfloat16()
+
+        def problem(tokens: int):
+            x = torch.randn(tokens, hidden, generator=gen).cuda().bfloat16()
+            ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(tokens)]).cuda()
+            return x, ids, torch.rand(tokens, top_k, generator=gen).cuda()
+
+        backend = ExpertParallelMoE(None, num_experts, GroupedMoE())
+        backend.fixed_tokens = size
+        x, ids, weights = problem(size)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            backend.forward(x, ids, weights, w13, w2, 0)  # warm-up: the NCCL communicator and the kernels
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = backend.forward(x, ids, weights, w13, w2, 0)
+        # A batch of 40 real tokens; the other rows repeat a real token (padding must not disturb them).
+        new_x, new_ids, new_weights = problem(40)
+        x.copy_(torch.cat([new_x, new_x[:24]]))
+        ids.copy_(torch.cat([new_ids, new_ids[:24]]))
+        weights.copy_(torch.cat([new_weights, new_weights[:24]]))
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = GroupedMoE().forward(new_x, new_ids, new_weights, w13, w2, 0).float()
+        got = out[:40].float()
+        assert ((got - expected).norm() / expected.norm()).item() < 1e-2
+        assert not backend.overflowed_anywhere()
     finally:
         dist.destroy_process_group()
