@@ -1,14 +1,17 @@
 """Expert-parallel decode: step time per rank for EP1 (one rank, every expert, no exchange) against EP R (R ranks,
 each holding 1/R of the routed experts, tokens exchanged over NCCL at every MoE layer), with the exchange's share.
 
-Every rank decodes its own batch (DP attention) at the given context; one eager decode step (EP exchanges
-variable-sized batches, so it is not captured in a CUDA graph), timed over iterations after a warm-up. The exchange
-time is measured with device syncs around the collectives (`ExpertParallelMoE(sync_timing=True)`), which the step
-time then includes too.
+Every rank decodes its own batch (DP attention) at the given context, timed over iterations after a warm-up.
+Eager steps (default) exchange split sizes (`--exchange splits`) or C rows per peer (`--exchange fixed`); the
+exchange time is measured with device syncs around the collectives (`ExpertParallelMoE(sync_timing=True)`), which
+the step time then includes too. `--graphs` (CUDA, flashinfer) replays each batch size's decode step from a CUDA
+graph holding the fixed-capacity exchange, as the engine does (pdserve/engine/cuda_graphs.py); the exchange is then
+not timed apart. `--ep-one-rank` makes a one-rank instance still exchange (with itself), to check the path on one GPU.
 
     python benchmarks/gpu_expert_parallel.py --ranks 1,2,4 --batches 64,256     # V2-Lite shape, 1..4 GPUs
+    python benchmarks/gpu_expert_parallel.py --ranks 1,2 --batches 64,256 --graphs   # EP1 graph vs EP2 graph
     python benchmarks/gpu_expert_parallel.py --device cpu --dtype float32 --layers 2 --ranks 1,2 --batches 2 \
-        --context 32 --iters 2                                                  # smoke run (gloo)
+        --context 32 --iters 2 --exchange fixed                                 # smoke run (gloo)
 """
 
 import argparse
@@ -23,6 +26,7 @@ import torch.multiprocessing as mp
 from gpu_decode_prefill import DEFAULT_CONFIG, contiguous_batch, step_inputs
 
 from pdserve.cluster.layout import free_port
+from pdserve.engine.cuda_graphs import DecodeGraphConfig, DecodeGraphs
 from pdserve.model.config import ModelConfig
 from pdserve.model.loader import build_model
 from pdserve.model.random_init import init_random_weights
@@ -48,23 +52,25 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
         cfg = ModelConfig.from_dict(raw)
         backends = select_backends(args.attention, args.moe, device, dtype)
         experts, moe = None, None
-        if world_size > 1:
-            moe = ExpertParallelMoE(None, cfg.n_routed_experts, backends.moe, sync_timing=True)
+        if world_size > 1 or args.ep_one_rank:
+            moe = ExpertParallelMoE(None, cfg.n_routed_experts, backends.moe, sync_timing=not args.graphs,
+                                    capacity_factor=args.capacity_factor)
             experts = ExpertRange(moe.first_expert, moe.experts_per_rank)
             backends = replace(backends, moe=moe)
         model = init_random_weights(build_model(cfg, backends, device, dtype, experts), seed=rank)
         for batch_size in args.batches:
             kv_lens, query_lens = [args.context] * batch_size, [1] * batch_size
             num_pages = sum(-(-n // args.page_size) for n in kv_lens)
-            kv_cache = torch.randn(cfg.num_hidden_layers, num_pages, args.page_size, cfg.kv_dim, device=device,
+            # one page more: the graphs' scratch page for padding rows
+            kv_cache = torch.randn(cfg.num_hidden_layers, num_pages + 1, args.page_size, cfg.kv_dim, device=device,
                                    dtype=dtype)
             ids, positions, last_rows = step_inputs(query_lens, kv_lens, cfg.vocab_size, device, seed=rank)
-
-            def step() -> None:
-                batch = contiguous_batch(query_lens, kv_lens, args.page_size, device)
-                model.compute_logits(model(ids, positions, kv_cache, batch)[last_rows])
-                if on_cuda:
-                    torch.cuda.synchronize()
+            fixed = moe is not None and args.exchange == "fixed"
+            if fixed and not args.graphs:  # a graph holds its own
+                moe.fixed_tokens = batch_size
+            step = graph_step(model, kv_cache, num_pages, moe, ids, positions, kv_lens, args.page_size) \
+                if args.graphs else eager_step(model, kv_cache, ids, positions, last_rows, query_lens, kv_lens,
+                                               args.page_size)
 
             with torch.inference_mode():
                 for _ in range(2):
@@ -76,13 +82,43 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
                     step()
                 step_s = (time.perf_counter() - started) / args.iters
                 exchange_s = ((moe.exchange.seconds if moe else 0.0) - exchange_before) / args.iters
+                overflowed = moe.overflowed_anywhere() if fixed else False
             results.put(dict(ranks=world_size, rank=rank, batch=batch_size, step_ms=step_s * 1e3,
-                             exchange_ms=exchange_s * 1e3, expert_gib=model.routed_expert_bytes() / 2**30))
+                             exchange_ms=exchange_s * 1e3, expert_gib=model.routed_expert_bytes() / 2**30,
+                             overflowed=overflowed))
             del kv_cache
             if on_cuda:
                 torch.cuda.empty_cache()
     finally:
         dist.destroy_process_group()
+
+
+def eager_step(model, kv_cache, ids, positions, last_rows, query_lens, kv_lens, page_size):
+    device = kv_cache.device
+
+    def step() -> None:
+        batch = contiguous_batch(query_lens, kv_lens, page_size, device)
+        model.compute_logits(model(ids, positions, kv_cache, batch)[last_rows])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    return step
+
+
+def graph_step(model, kv_cache, scratch_page: int, moe: ExpertParallelMoE | None, ids, positions, kv_lens,
+               page_size: int):
+    """The batch's decode step replayed from a CUDA graph captured at exactly its size (the engine's DecodeGraphs,
+    with the fixed-capacity exchange when `moe` is set)."""
+    pages_per_seq = -(-max(kv_lens) // page_size)
+    page_ids = [list(range(i * pages_per_seq, (i + 1) * pages_per_seq)) for i in range(len(kv_lens))]
+    slots = [pages[(n - 1) // page_size] * page_size + (n - 1) % page_size for pages, n in zip(page_ids, kv_lens)]
+    graphs = DecodeGraphs(model, kv_cache, page_size, DecodeGraphConfig((len(kv_lens),), pages_per_seq), scratch_page,
+                          moe)
+    host_ids, host_positions = ids.tolist(), positions.tolist()
+
+    def step() -> None:
+        graphs.run(host_ids, host_positions, slots, kv_lens, page_ids)
+        torch.cuda.synchronize()
+    return step
 
 
 def main() -> None:
@@ -98,7 +134,16 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--exchange", choices=("splits", "fixed"), default="splits", help="eager steps' exchange")
+    parser.add_argument("--capacity-factor", type=float, default=2.0, help="fixed exchange: C per peer, as a "
+                                                                           "multiple of an even share")
+    parser.add_argument("--graphs", action="store_true", help="replay decode from CUDA graphs (fixed exchange)")
+    parser.add_argument("--ep-one-rank", action="store_true", help="a one-rank instance exchanges with itself")
     args = parser.parse_args()
+    if args.graphs:
+        if args.device != "cuda":
+            parser.error("--graphs needs --device cuda (flashinfer attention)")
+        args.exchange = "fixed"
     args.batches = [int(b) for b in args.batches.split(",")]
     available = torch.cuda.device_count() if args.device == "cuda" else 64
     sizes = [r for r in (int(r) for r in args.ranks.split(",")) if r <= available]
@@ -115,17 +160,22 @@ def main() -> None:
             ranks = [r for r in per_rank if r["batch"] == batch]
             rows.append(dict(ranks=world_size, batch=batch, step_ms=max(r["step_ms"] for r in ranks),
                              exchange_ms=max(r["exchange_ms"] for r in ranks), expert_gib=ranks[0]["expert_gib"]))
+            if any(r["overflowed"] for r in ranks):
+                print(f"EP{world_size} batch {batch}: the fixed exchange overflowed (some figures are of dropped "
+                      "pairs); raise --capacity-factor", flush=True)
     skipped = sorted(set(int(r) for r in args.ranks.split(",")) - set(sizes))
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"\n{device_name}; context {args.context}; {args.dtype}; step = slowest rank's eager decode step"
-          + (f"; skipped (not enough devices): {skipped}" if skipped else ""))
+    kind = "CUDA-graph" if args.graphs else "eager"
+    print(f"\n{device_name}; context {args.context}; {args.dtype}; step = slowest rank's {kind} decode step; "
+          f"exchange: {args.exchange}" + (f"; skipped (not enough devices): {skipped}" if skipped else ""))
     print("| ranks | batch per rank | step (ms) | exchange (ms) | exchange share | tokens/s (all ranks) "
           "| expert weights per rank (GiB) |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
         tokens_per_s = row["ranks"] * row["batch"] / (row["step_ms"] / 1e3)
-        print(f"| {row['ranks']} | {row['batch']} | {row['step_ms']:.2f} | {row['exchange_ms']:.2f} | "
-              f"{row['exchange_ms'] / row['step_ms']:.0%} | {tokens_per_s:,.0f} | {row['expert_gib']:.2f} |")
+        exchange = "- | -" if args.graphs else f"{row['exchange_ms']:.2f} | {row['exchange_ms'] / row['step_ms']:.0%}"
+        print(f"| {row['ranks']} | {row['batch']} | {row['step_ms']:.2f} | {exchange} | {tokens_per_s:,.0f} | "
+              f"{row['expert_gib']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from pdserve.text.generation_defaults import GenerationDefaults
 from pdserve.text.grammars import FREE_TEXT_LARK, GrammarError, check_grammar
 from pdserve.text.tokenizer import PromptError, PromptTokenizer
 from pdserve.text.tool_calls import DeepSeekToolCalls, ToolSpec
-from pdserve.wire.protocol import TokenEvent
+from pdserve.wire.protocol import TokenEvent, token_gaps
 from pdserve.wire.sampling import Grammar, SamplingParams
 from pdserve_router import openai_schema as schema
 from pdserve_router.dispatch import Dispatcher, no_workers_error
@@ -325,13 +325,8 @@ class Serving:
         if event.token_ids:
             previous = last_token_s.get(output.index)
             if previous is None:
-                # Tokens coalesced with the first arrived with it: each counts as a gap of 0, so every token after
-                # the first is one ITL observation however the worker batched them.
                 self.metrics.observe_ttft(now - arrival_s)
-                gaps = (0.0,) * (len(event.token_ids) - 1)
-            else:
-                gaps = ((now - previous) / len(event.token_ids),) * len(event.token_ids)
-            for gap in gaps:
+            for gap in token_gaps(previous, now, len(event.token_ids)):
                 self.metrics.observe_itl(gap)
             last_token_s[output.index] = now
         output.text += event.text

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from pdserve.bench.workload import BenchRequest, WorkloadConfig
+from pdserve.wire.protocol import token_gaps
 
 
 @dataclass
@@ -44,19 +45,22 @@ async def send_request(http: httpx.AsyncClient, url: str, model: str, request: B
     }
     sent = time.perf_counter()
     result = RequestResult(index=request.index, ok=False, send_s=sent - run_start)
-    token_times: list[float] = []
+    arrivals: list[tuple[float, int]] = []  # (when, tokens) per chunk that carried tokens
     try:
-        await asyncio.wait_for(_stream(http, url, body, result, token_times), timeout_s)
+        await asyncio.wait_for(_stream(http, url, body, result, arrivals), timeout_s)
     except (httpx.HTTPError, asyncio.TimeoutError, json.JSONDecodeError) as error:
         result.error = f"{type(error).__name__}: {error}"
         return result
     if result.error:
         return result
     result.e2e_s = time.perf_counter() - sent
-    result.output_tokens = len(token_times)
-    if token_times:
-        result.ttft_s = token_times[0] - sent
-        result.itl_s = [later - earlier for earlier, later in zip(token_times, token_times[1:])]
+    result.output_tokens = sum(tokens for _, tokens in arrivals)
+    if arrivals:
+        result.ttft_s = arrivals[0][0] - sent
+        previous_s = None
+        for now_s, tokens in arrivals:
+            result.itl_s += token_gaps(previous_s, now_s, tokens)
+            previous_s = now_s
     result.ok = result.output_tokens == request.max_tokens
     if not result.ok:
         result.error = f"expected {request.max_tokens} tokens, got {result.output_tokens}"
@@ -64,7 +68,7 @@ async def send_request(http: httpx.AsyncClient, url: str, model: str, request: B
 
 
 async def _stream(http: httpx.AsyncClient, url: str, body: dict, result: RequestResult,
-                  token_times: list[float]) -> None:
+                  arrivals: list[tuple[float, int]]) -> None:
     async with http.stream("POST", url + "/v1/completions", json=body) as response:
         if response.status_code != 200:
             result.error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
@@ -74,8 +78,9 @@ async def _stream(http: httpx.AsyncClient, url: str, body: dict, result: Request
                 continue
             chunk = json.loads(line[len("data: "):])
             now = time.perf_counter()
-            for choice in chunk.get("choices", []):
-                token_times.extend([now] * len(choice.get("token_ids") or []))
+            tokens = sum(len(choice.get("token_ids") or []) for choice in chunk.get("choices", []))
+            if tokens:
+                arrivals.append((now, tokens))
             if chunk.get("usage"):
                 usage = chunk["usage"]
                 result.prompt_tokens = usage.get("prompt_tokens", 0)

@@ -1,6 +1,7 @@
-"""coalesce_events: a run of one request's events read as one event carries exactly what the run did."""
+"""coalesce_events: a run of one request's events read as one event carries exactly what the run did; token_gaps: the
+inter-token gaps such an event stands for."""
 
-from pdserve.wire.protocol import TokenEvent, coalesce_events
+from pdserve.wire.protocol import TokenEvent, coalesce_events, token_gaps
 
 
 def test_a_run_becomes_one_event_with_every_token_and_logprob_in_order():
@@ -27,3 +28,11 @@ def test_without_logprobs_they_stay_absent_and_an_error_stays_its_own_event():
 def test_a_single_event_is_left_as_it_is():
     event = TokenEvent("r", [7], "x", finish_reason="stop")
     assert coalesce_events([event])[0] is event
+
+
+def test_every_token_after_the_first_is_one_gap_however_the_tokens_were_batched():
+    # 5 tokens: 3 in the first event at t=1.0, then 2 together at t=1.5.
+    gaps = token_gaps(None, 1.0, 3) + token_gaps(1.0, 1.5, 2)
+    assert gaps == (0.0, 0.0, 0.25, 0.25)
+    assert token_gaps(None, 1.0, 1) == ()
+    assert token_gaps(2.0, 2.5, 1) == (0.5,)
