@@ -102,6 +102,21 @@ def test_an_overflowing_fixed_capacity_exchange_is_seen_by_every_rank_once():
     assert got[0] == got[1] == [True, True, False, 1]
 
 
+GPU_EXPERTS, GPU_HIDDEN, GPU_INTER, GPU_TOP_K = 16, 256, 128, 4
+
+
+def gpu_expert_weights(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    w13 = torch.randn(GPU_EXPERTS, 2 * GPU_INTER, GPU_HIDDEN, generator=gen) / GPU_HIDDEN**0.5
+    w2 = torch.randn(GPU_EXPERTS, GPU_HIDDEN, GPU_INTER, generator=gen) / GPU_INTER**0.5
+    return w13.cuda().bfloat16(), w2.cuda().bfloat16()
+
+
+def gpu_tokens(gen: torch.Generator, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x = torch.randn(tokens, GPU_HIDDEN, generator=gen).cuda().bfloat16()
+    ids = torch.stack([torch.randperm(GPU_EXPERTS, generator=gen)[:GPU_TOP_K] for _ in range(tokens)]).cuda()
+    return x, ids, torch.rand(tokens, GPU_TOP_K, generator=gen).cuda()
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(120)
 def test_one_rank_nccl_exchange_with_grouped_local_experts_equals_grouped_moe():
@@ -112,14 +127,10 @@ def test_one_rank_nccl_exchange_with_grouped_local_experts_equals_grouped_moe():
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         gen = torch.Generator().manual_seed(3)
-        num_experts, hidden, inter, top_k, tokens = 16, 256, 128, 4, 64
-        w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).cuda().bfloat16()
-        w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5).cuda().bfloat16()
-        x = torch.randn(tokens, hidden, generator=gen).cuda().bfloat16()
-        ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(tokens)]).cuda()
-        weights = torch.rand(tokens, top_k, generator=gen).cuda()
+        w13, w2 = gpu_expert_weights(gen)
+        x, ids, weights = gpu_tokens(gen, 64)
         expected = GroupedMoE().forward(x, ids, weights, w13, w2, 0).float()
-        got = ExpertParallelMoE(None, num_experts, GroupedMoE()).forward(x, ids, weights, w13, w2, 0).float()
+        got = ExpertParallelMoE(None, GPU_EXPERTS, GroupedMoE()).forward(x, ids, weights, w13, w2, 0).float()
         assert not torch.isnan(got).any()
         assert ((got - expected).norm() / expected.norm()).item() < 1e-2
     finally:
@@ -136,18 +147,10 @@ def test_one_rank_fixed_capacity_exchange_replays_in_a_cuda_graph():
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         gen = torch.Generator().manual_seed(5)
-        num_experts, hidden, inter, top_k, size = 16, 256, 128, 4, 64
-        w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).cuda().bfloat16()
-        w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5).cuda().bfloat16()
-
-        def problem(tokens: int):
-            x = torch.randn(tokens, hidden, generator=gen).cuda().bfloat16()
-            ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(tokens)]).cuda()
-            return x, ids, torch.rand(tokens, top_k, generator=gen).cuda()
-
-        backend = ExpertParallelMoE(None, num_experts, GroupedMoE())
-        backend.fixed_tokens = size
-        x, ids, weights = problem(size)
+        w13, w2 = gpu_expert_weights(gen)
+        backend = ExpertParallelMoE(None, GPU_EXPERTS, GroupedMoE())
+        backend.fixed_tokens = 64
+        x, ids, weights = gpu_tokens(gen, 64)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -157,7 +160,7 @@ def test_one_rank_fixed_capacity_exchange_replays_in_a_cuda_graph():
         with torch.cuda.graph(graph):
             out = backend.forward(x, ids, weights, w13, w2, 0)
         # A batch of 40 real tokens; the other rows repeat a real token (padding must not disturb them).
-        new_x, new_ids, new_weights = problem(40)
+        new_x, new_ids, new_weights = gpu_tokens(gen, 40)
         x.copy_(torch.cat([new_x, new_x[:24]]))
         ids.copy_(torch.cat([new_ids, new_ids[:24]]))
         weights.copy_(torch.cat([new_weights, new_weights[:24]]))
