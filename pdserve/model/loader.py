@@ -10,9 +10,9 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from pdserve.model.block_fp8 import dequantize_block_fp8
 from pdserve.model.config import ModelConfig
 from pdserve.model.deepseek import DeepseekForCausalLM
+from pdserve.ops.block_fp8 import dequantize_block_fp8
 from pdserve.ops.moe import ExpertRange
 from pdserve.ops.select import Backends
 
