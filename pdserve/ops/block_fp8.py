@@ -11,6 +11,7 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448 for e4m3fn
 DEFAULT_BLOCK_SIZE = (128, 128)
+SCALE_SUFFIX = "_scale_inv"  # a weight's scale grid is stored (and held) under the weight's name + this
 
 
 def scale_grid_shape(weight_shape: torch.Size | tuple[int, ...], block_size: tuple[int, int]) -> tuple[int, ...]:
