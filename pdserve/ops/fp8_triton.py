@@ -16,7 +16,8 @@ QUANTIZE_ROWS_PER_PROGRAM = 32
 SWIZZLE_M = 8  # m-tiles walked down one column of n-tiles before moving right: neighbours share weight tiles in L2
 
 
-@triton.jit
+# Row counts change with every batch: `do_not_specialize` keeps Triton from compiling a variant per their divisibility.
+@triton.jit(do_not_specialize=["rows", "padded_rows"])
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, rows, padded_rows, cols, x_row_stride, scale_group_stride,
                           GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, FP8_LIMIT: tl.constexpr):
     r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -51,7 +52,7 @@ def quantize_rows(x: torch.Tensor, group: int, pad_rows_to: int = 1) -> tuple[to
     return q, scales
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["total_rows", "m_tiles"])
 def _grouped_fp8_gemm_kernel(
     a_ptr, a_scale_ptr, row_index_ptr, w_ptr, w_scale_ptr, out_ptr, group_ends_ptr,
     total_rows, n, k, num_groups, m_tiles,
