@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.model_steps import contiguous_batch, float32_reference_logits, step_inputs
 from pdserve.model.config import ModelConfig
 from pdserve.model.deepseek import DeepseekForCausalLM
 from pdserve.model.loader import build_model
@@ -72,8 +73,6 @@ def dequantized_copy(model: DeepseekForCausalLM, backends: Backends) -> Deepseek
 def fp8_logits_errors(cfg: ModelConfig, std: float | None, sequences: int, tokens: int, page_size: int,
                       device: torch.device) -> dict:
     """Last-position logits of `sequences` random prompts: FP8 and bf16 (same weights) against the float32 reference."""
-    from benchmarks.gpu_decode_prefill import contiguous_batch, float32_reference_logits, step_inputs
-
     backends = select_backends("auto", "auto", device, torch.bfloat16)
     fp8 = init_random_weights(build_model(cfg, backends, device, torch.bfloat16, keep_fp8=True), seed=0, std=std)
     query_lens = [tokens] * sequences
@@ -135,8 +134,6 @@ def main() -> None:
         return
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from benchmarks.gpu_decode_prefill import contiguous_batch, float32_reference_logits, step_inputs
 
     dtype_key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     cfg = ModelConfig.from_dict(raw)

@@ -4,6 +4,7 @@ import json
 import logging
 import re
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -80,7 +81,7 @@ def load_model(
     experts_of = model.expert_range
     files = tensor_files(model_dir)
     filled: set[str] = set()
-    fp8_bytes = {"kept": 0, "dequantized": 0}
+    fp8 = FP8Tally()
     with ExitStack() as stack:
         handles = {f: stack.enter_context(safe_open(f, framework="pt", device="cpu")) for f in set(files.values())}
 
@@ -92,31 +93,6 @@ def load_model(
             if cfg.fp8_block_size is None or scale_name not in files:
                 raise CheckpointError(f"FP8 tensor {name} has no {scale_name} or config has no quantization_config")
             return BlockFP8Weight(tensor, handles[files[scale_name]].get_tensor(scale_name), cfg.fp8_block_size)
-
-        def copy_into(target_name: str, source: torch.Tensor | BlockFP8Weight, source_name: str,
-                      rows: slice | None = None, experts: int | slice | None = None) -> None:
-            """Copies a checkpoint tensor into a parameter, or into `experts` (and `rows`) of a stacked one."""
-            def part(tensor: torch.Tensor, block_rows: int = 1) -> torch.Tensor:
-                if experts is not None:
-                    tensor = tensor[experts]
-                if rows is not None:
-                    tensor = tensor[rows.start // block_rows: rows.stop // block_rows]
-                return tensor
-
-            target = part(params[target_name])
-            if target.dtype == FP8_DTYPE:
-                if not isinstance(source, BlockFP8Weight):
-                    raise CheckpointError(f"tensor {source_name} is stored as {source.dtype}, not FP8, but this model "
-                                          f"keeps {target_name} in FP8 (load with --fp8-weights dequantize)")
-                _copy_checked(target, source.values, target_name, source_name)
-                scale_target = part(params[target_name + SCALE_SUFFIX], block_rows=source.block_size[0])
-                _copy_checked(scale_target, source.scale_inv, target_name + SCALE_SUFFIX, source_name + SCALE_SUFFIX)
-                fp8_bytes["kept"] += source.values.numel()
-                return
-            if isinstance(source, BlockFP8Weight):
-                fp8_bytes["dequantized"] += source.values.numel()
-                source = source.dequantize()
-            _copy_checked(target, source, target_name, source_name)
 
         names = [n for n in files if not n.endswith(SCALE_SUFFIX) and not n.endswith("rotary_emb.inv_freq")]
         for name in tqdm(names, desc="loading weights", unit="tensor", disable=not progress, leave=False):
@@ -132,11 +108,11 @@ def load_model(
                 if f"{prefix}.w13" not in params:
                     raise CheckpointError(f"unexpected tensor {name}: layer {layer_idx} has no routed experts")
                 if proj == "down":
-                    target_name, rows = f"{prefix}.w2", None
+                    target_name, index = f"{prefix}.w2", (local,)
                 else:
                     target_name = f"{prefix}.w13"
-                    rows = slice(0, inter) if proj == "gate" else slice(inter, 2 * inter)
-                copy_into(target_name, read(name), name, rows=rows, experts=local)
+                    index = (local, slice(0, inter) if proj == "gate" else slice(inter, 2 * inter))
+                _copy_into(params, target_name, read(name), name, fp8, index)
                 filled.add(f"{target_name}[{local}].{proj}")
                 continue
             if fused := FUSED_EXPERT_TENSOR.match(name):  # transformers 5 save format
@@ -145,16 +121,46 @@ def load_model(
                 if target_name not in params:
                     raise CheckpointError(f"unexpected tensor {name}: that layer has no routed experts")
                 local_slice = read(name)[experts_of.first : experts_of.first + experts_of.count]
-                copy_into(target_name, local_slice, name)
+                _copy_into(params, target_name, local_slice, name, fp8)
                 filled.add(target_name)
                 continue
             if name not in params:
                 raise CheckpointError(f"unexpected tensor {name} in {files[name].name}: the model has no such weight")
-            copy_into(name, read(name), name)
+            _copy_into(params, name, read(name), name, fp8)
             filled.add(name)
     _check_complete(model, expected, filled)
-    _log_fp8(model, fp8_bytes["kept"], fp8_bytes["dequantized"], dtype)
+    _log_fp8(model, fp8, dtype)
     return model
+
+
+@dataclass
+class FP8Tally:
+    """FP8 values read from the checkpoint: kept FP8, or dequantized where the model holds the weight dense."""
+
+    kept: int = 0
+    dequantized: int = 0
+
+
+def _copy_into(params: dict[str, torch.Tensor], target_name: str, source: torch.Tensor | BlockFP8Weight,
+               source_name: str, fp8: FP8Tally, index: tuple[int | slice, ...] = ()) -> None:
+    """Copies a checkpoint tensor into a parameter, or into `params[target_name][index]` of a stacked one (an
+    expert, and gate's or up's rows of w13). A kept FP8 weight's scale grid goes to the same index in blocks."""
+    target = params[target_name][index]
+    if target.dtype == FP8_DTYPE:
+        if not isinstance(source, BlockFP8Weight):
+            raise CheckpointError(f"tensor {source_name} is stored as {source.dtype}, not FP8, but this model keeps "
+                                  f"{target_name} in FP8 (load with --fp8-weights dequantize)")
+        _copy_checked(target, source.values, target_name, source_name)
+        block_rows = source.block_size[0]
+        in_blocks = tuple(i if isinstance(i, int) else slice(i.start // block_rows, i.stop // block_rows) for i in index)
+        scale_name = target_name + SCALE_SUFFIX
+        _copy_checked(params[scale_name][in_blocks], source.scale_inv, scale_name, source_name + SCALE_SUFFIX)
+        fp8.kept += source.values.numel()
+        return
+    if isinstance(source, BlockFP8Weight):
+        fp8.dequantized += source.values.numel()
+        source = source.dequantize()
+    _copy_checked(target, source, target_name, source_name)
 
 
 def _copy_checked(target: torch.Tensor, source: torch.Tensor, target_name: str, source_name: str) -> None:
@@ -165,8 +171,9 @@ def _copy_checked(target: torch.Tensor, source: torch.Tensor, target_name: str, 
     target.copy_(source.to(target.dtype))
 
 
-def _log_fp8(model: DeepseekForCausalLM, kept: int, dequantized: int, dtype: torch.dtype) -> None:
-    """One line on what an FP8 checkpoint's weights became (FP8 counts one byte per value)."""
+def _log_fp8(model: DeepseekForCausalLM, fp8: FP8Tally, dtype: torch.dtype) -> None:
+    """One line on what an FP8 checkpoint's weights became (one byte per FP8 value)."""
+    kept, dequantized = fp8.kept, fp8.dequantized
     if not kept and not dequantized:
         return
     dtype_name = str(dtype).removeprefix("torch.")

@@ -37,9 +37,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def random_weight(shape: tuple[int, ...], seed: int = 0, device: str = "cpu") -> BlockFP8Weight:
-    weight = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * shape[-1] ** -0.5
-    values, scale_inv = quantize_block_fp8(weight)
-    return BlockFP8Weight(values.to(device), scale_inv.to(device), (128, 128))
+    """Drawn and quantized on `device` (V3's expert stacks are ~1e9 values)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    weight = torch.randn(shape, generator=gen, device=device) * shape[-1] ** -0.5
+    return BlockFP8Weight(*quantize_block_fp8(weight), (128, 128))
 
 
 def random_activations(rows: int, cols: int, device: str, seed: int = 1) -> torch.Tensor:
