@@ -35,7 +35,7 @@ def test_fp8_checkpoint_matches_its_dequantized_twin(tmp_path, caplog):
     twin = dequantized_twin(fp8_dir, tmp_path / "twin", dtype="bfloat16")
     prompt = list(range(2, 40))
     with caplog.at_level(logging.INFO, logger="pdserve.model.loader"):
-        a = prefill_logits(str(fp8_dir), prompt, "bfloat16")
+        a = prefill_logits(str(fp8_dir), prompt, "bfloat16", fp8_weights="dequantize")
     notes = [r.getMessage() for r in caplog.records if "FP8" in r.getMessage()]
     assert len(notes) == 1 and "dequantized to bfloat16" in notes[0]  # what the dequantization costs is said once
     caplog.clear()
@@ -54,10 +54,10 @@ def test_fp8_kept_gives_the_logits_of_fp8_dequantized_at_load(tmp_path, moe_inte
     shapes = FP8_SHAPES | {"moe_intermediate_size": moe_intermediate_size}
     fp8_dir = str(make_tiny_model(tmp_path / "fp8", arch="v3", overrides=shapes, fp8=True))
     prompt = list(range(2, 40))
-    kept = Engine(EngineConfig(model=fp8_dir, dtype="float32", progress=False, fp8_weights="keep"))
+    kept = Engine(EngineConfig(model=fp8_dir, device="cpu", dtype="float32", progress=False, fp8_weights="keep"))
     assert "model.layers.0.self_attn.o_proj.weight" in fp8_parameter_names(kept.runner.model)
     assert ("model.layers.1.mlp.experts.w13" in fp8_parameter_names(kept.runner.model)) == (moe_intermediate_size == 128)
-    auto_on_cpu = Engine(EngineConfig(model=fp8_dir, dtype="float32", progress=False))
+    auto_on_cpu = Engine(EngineConfig(model=fp8_dir, device="cpu", dtype="float32", progress=False))
     assert not fp8_parameter_names(auto_on_cpu.runner.model)
     # float32 on the CPU: the reference product dequantizes each FP8 weight to the very values loading would store.
     torch.testing.assert_close(prefill(kept, prompt), prefill(auto_on_cpu, prompt), rtol=1e-5, atol=1e-5)
