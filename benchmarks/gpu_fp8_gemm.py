@@ -56,27 +56,39 @@ def random_fp8(shape: tuple[int, ...], device: torch.device, seed: int) -> Block
 
 
 def time_ms(fn: Callable[[], torch.Tensor], device: torch.device, min_s: float = 0.05) -> float:
-    """Mean time of one call over enough calls to fill `min_s`, after two warm-up calls (compiles, caches). On CUDA
-    the call is captured in a CUDA graph and replayed, as the engine's decode runs: kernel time without launch cost."""
-    fn(), fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+    """Mean time of one call, after two warm-up calls (compiles, caches). On CUDA: replays of a CUDA graph holding
+    the call (16 times back to back when it is short), as the engine's decode runs, so launch costs stay out."""
+    if device.type != "cuda":
+        fn(), fn()
+        started, calls = time.perf_counter(), 0
+        while time.perf_counter() - started < min_s or calls < 3:
             fn()
-        run, sync = graph.replay, torch.cuda.synchronize
-    else:
-        run, sync = fn, (lambda: None)
-    run()
-    sync()
-    started, calls = time.perf_counter(), 0
-    while time.perf_counter() - started < min_s or calls < 3:
-        run()
-        calls += 1
-        if calls % 16 == 0:
-            sync()
-    sync()
-    return (time.perf_counter() - started) / calls * 1e3
+            calls += 1
+        return (time.perf_counter() - started) / calls * 1e3
+    stream = torch.cuda.Stream()  # warm-up off the default stream, as PyTorch asks before a capture
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(), fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    eager_s = time.perf_counter() - started
+    per_graph = 1 if eager_s > 1e-3 else 16
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(per_graph):
+            fn()
+    replays = max(3, int(min_s / (eager_s * per_graph)))
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    begin.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / (replays * per_graph)
 
 
 def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
@@ -163,14 +175,13 @@ def main() -> None:
     print(f"device {name}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     started = time.perf_counter()
     rows = []
-    for gemm, shape in dense.items():
+    cases = [(dense_row, gemm, shape) for gemm, shape in dense.items()]
+    cases += [(grouped_row, gemm, shape) for gemm, shape in experts.items()]
+    for measure, gemm, shape in cases:
         for tokens in sizes:
-            rows.append(dense_row(gemm, shape, tokens, device))
-            print(rows[-1], flush=True)
-    for gemm, shape in experts.items():
-        for tokens in sizes:
-            rows.append(grouped_row(gemm, shape, tokens, device))
-            print(rows[-1], flush=True)
+            rows.append(measure(gemm, shape, tokens, device))
+            print(f"{gemm}, {tokens} tokens: bf16 {rows[-1].bf16_ms:.3f} ms, FP8 {rows[-1].fp8_ms:.3f} ms "
+                  f"({time.perf_counter() - started:.0f} s)", flush=True)
     print(f"\n{time.perf_counter() - started:.0f} s in all (Triton compiles included)\n")
     print_table(rows)
 
