@@ -9,22 +9,20 @@ bandwidth), prefill tokens/s next to the bf16 matmul peak, and full-model bf16 l
 """
 
 import argparse
-import copy
 import json
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+from benchmarks.model_steps import contiguous_batch, float32_reference_logits, step_inputs
 from pdserve.engine.cuda_graphs import DecodeGraphConfig, DecodeGraphs
 from pdserve.model.config import ModelConfig
-from pdserve.model.deepseek import DeepseekForCausalLM, uses_expanded_attention
+from pdserve.model.deepseek import DeepseekForCausalLM
 from pdserve.model.loader import build_model
 from pdserve.model.random_init import init_random_weights
-from pdserve.ops.attention import AttentionBatch, TorchAttention
-from pdserve.ops.moe import TorchMoE
+from pdserve.ops.attention import AttentionBatch
 from pdserve.ops.select import Backends, select_backends
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "pdserve" / "model" / "configs" / "deepseek-v2-lite.json"
@@ -58,26 +56,6 @@ def hbm_read_bytes_per_s(device: torch.device, gib: float) -> float:
 def matmul_flop_per_s(device: torch.device, dtype: torch.dtype, n: int) -> float:
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     return 2 * n**3 / (timed_ms(lambda: a @ b, device) / 1e3)
-
-
-def contiguous_batch(query_lens: list[int], kv_lens: list[int], page_size: int, device) -> AttentionBatch:
-    """Sequence i owns a contiguous run of pages; its new tokens sit at the end of its context."""
-    pages = [-(-n // page_size) for n in kv_lens]
-    first = [sum(pages[:i]) for i in range(len(pages))]
-    table = [[f + p for p in range(max(pages))] for f in first]
-    slots = [(f + pos // page_size) * page_size + pos % page_size
-             for f, q, n in zip(first, query_lens, kv_lens) for pos in range(n - q, n)]
-    return AttentionBatch(query_lens=query_lens, kv_lens=kv_lens, page_size=page_size,
-                          page_table=torch.tensor(table, dtype=torch.int64, device=device),
-                          slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device))
-
-
-def step_inputs(query_lens, kv_lens, vocab, device, seed=0):
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    ids = torch.randint(0, vocab, (sum(query_lens),), generator=gen).to(device)
-    positions = torch.tensor([p for q, n in zip(query_lens, kv_lens) for p in range(n - q, n)], device=device)
-    last_rows = torch.tensor(list(torch.tensor(query_lens).cumsum(0) - 1), device=device)
-    return ids, positions, last_rows
 
 
 class ExpertCounter:
@@ -127,21 +105,6 @@ def prefill_flop(model: DeepseekForCausalLM, num_tokens: int, attention_width: i
     pairs = num_tokens * (num_tokens + 1) / 2
     attention = 2 * cfg.num_attention_heads * attention_width * pairs * cfg.num_hidden_layers
     return 2 * per_token * num_tokens + attention + 2 * model.lm_head.weight.numel()
-
-
-@torch.inference_mode()
-def float32_reference_logits(model, ids, positions, batch, last_rows) -> torch.Tensor:
-    """The same weights upcast one layer at a time (a float32 copy of the whole model would not fit next to it)."""
-    cfg = model.cfg
-    backends = Backends(attention=TorchAttention(), moe=TorchMoE())
-    kv = torch.zeros(batch.page_table.max().item() + 1, batch.page_size, cfg.kv_dim, device=ids.device)
-    rotations = model.rope.rotations(positions)
-    x = model.model.embed_tokens.weight[ids].float()
-    expanded = uses_expanded_attention(cfg, batch)
-    for layer in model.model.layers:
-        x = copy.deepcopy(layer).float()(x, rotations, model.rope, kv, batch, backends, expanded)
-    x = copy.deepcopy(model.model.norm).float()(x)
-    return F.linear(x[last_rows], model.lm_head.weight.float())
 
 
 def decode_row(model, kv_cache, scratch_page, batch_size, context, page_size, bytes_per_s, use_graph, log) -> dict:

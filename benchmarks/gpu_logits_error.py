@@ -5,7 +5,11 @@ For each init (pdserve's N(0, 1/fan_in), then a fixed small std like a trained c
 DeepseekV2ForCausalLM, run in bf16 and in float32. If transformers' bf16 error is as large as ours, the figure is
 about bf16 on these weights, not about our kernels. One table last.
 
-    python benchmarks/gpu_logits_error.py [--stds fan_in,0.006] [--tokens 512]
+With --fp8, the config's linears are block-quantized and kept FP8 (as `--fp8-weights keep` serves an FP8
+checkpoint): the FP8 model (FP8 GEMMs, activations rounded to FP8 per 128 columns) and the bf16 model of the same
+weights dequantized, each against the float32 reference of those weights; no transformers comparison.
+
+    python benchmarks/gpu_logits_error.py [--stds fan_in,0.006] [--tokens 512] [--fp8]
     python benchmarks/gpu_logits_error.py --device cpu --config TINY_DIR/config.json --tokens 16 --page-size 16
 """
 
@@ -17,12 +21,16 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.model_steps import contiguous_batch, float32_reference_logits, step_inputs
 from pdserve.model.config import ModelConfig
+from pdserve.model.deepseek import DeepseekForCausalLM
 from pdserve.model.loader import build_model
 from pdserve.model.random_init import init_random_weights
-from pdserve.ops.select import select_backends
+from pdserve.ops.block_fp8 import FP8_DTYPE, SCALE_SUFFIX, BlockFP8Weight
+from pdserve.ops.select import Backends, select_backends
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "pdserve" / "model" / "configs" / "deepseek-v2-lite.json"
+FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -45,6 +53,70 @@ def load_into_transformers(hf_model, ours) -> None:
     assert not missing, f"transformers parameters left unset: {sorted(missing)[:5]}"
 
 
+def dequantized_copy(model: DeepseekForCausalLM, backends: Backends) -> DeepseekForCausalLM:
+    """The same weights with each FP8 one dequantized to bf16: the model `--fp8-weights dequantize` would load."""
+    device = next(model.parameters()).device
+    dense = build_model(model.cfg, backends, device, torch.bfloat16, model.expert_range)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, param in dense.named_parameters():
+            source = params[name]
+            if source.dtype == FP8_DTYPE:
+                source = BlockFP8Weight(source, params[name + SCALE_SUFFIX], model.cfg.fp8_block_size).dequantize(
+                    torch.bfloat16)
+            param.copy_(source)
+        for name, buffer in dense.named_buffers():
+            buffer.copy_(model.get_buffer(name))
+    return dense
+
+
+def fp8_logits_errors(cfg: ModelConfig, std: float | None, sequences: int, tokens: int, page_size: int,
+                      device: torch.device) -> dict:
+    """Last-position logits of `sequences` random prompts: FP8 and bf16 (same weights) against the float32 reference."""
+    backends = select_backends("auto", "auto", device, torch.bfloat16)
+    fp8 = init_random_weights(build_model(cfg, backends, device, torch.bfloat16, keep_fp8=True), seed=0, std=std)
+    query_lens = [tokens] * sequences
+    ids, positions, last_rows = step_inputs(query_lens, query_lens, cfg.vocab_size, device, seed=1)
+    pages = -(-sequences * tokens // page_size) + 2
+
+    def logits(model: DeepseekForCausalLM) -> torch.Tensor:
+        kv = torch.zeros(cfg.num_hidden_layers, pages, page_size, cfg.kv_dim, dtype=torch.bfloat16, device=device)
+        with torch.inference_mode():
+            return model.compute_logits(model(ids, positions, kv, contiguous_batch(query_lens, query_lens, page_size,
+                                                                                  device))[last_rows])
+
+    fp8_logits = logits(fp8)
+    reference = float32_reference_logits(fp8, ids, positions, contiguous_batch(query_lens, query_lens, page_size,
+                                                                                device), last_rows)
+    bf16 = dequantized_copy(fp8, backends)
+    del fp8
+    gc.collect()
+    bf16_logits = logits(bf16)
+    del bf16
+    gc.collect()
+    return dict(init="fan_in" if std is None else str(std), fp8=rel_err(fp8_logits, reference),
+                bf16=rel_err(bf16_logits, reference),
+                fp8_top1=(fp8_logits.argmax(-1) == reference.argmax(-1)).float().mean().item(),
+                bf16_top1=(bf16_logits.argmax(-1) == reference.argmax(-1)).float().mean().item(),
+                logit_std=reference.std().item())
+
+
+def main_fp8(raw: dict, args: argparse.Namespace, device: torch.device) -> None:
+    cfg = ModelConfig.from_dict({**raw, "quantization_config": raw.get("quantization_config") or FP8_QUANTIZATION})
+    rows = []
+    for std_name in args.stds.split(","):
+        rows.append(fp8_logits_errors(cfg, None if std_name == "fan_in" else float(std_name), 2, args.tokens,
+                                      args.page_size, device))
+        print(rows[-1], flush=True)
+    print()
+    print("| init | FP8 vs float32 ref | bf16 (same weights) vs float32 ref | FP8 / bf16 | top-1 FP8 | top-1 bf16 "
+          "| logit std |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['init']} | {r['fp8']:.2e} | {r['bf16']:.2e} | {r['fp8'] / r['bf16']:.1f} | {r['fp8_top1']:.2f} "
+              f"| {r['bf16_top1']:.2f} | {r['logit_std']:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(DEFAULT_CONFIG))
@@ -52,15 +124,18 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=512, help="tokens per sequence, 2 sequences")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--fp8", action="store_true", help="FP8 weights against bf16 on the same weights (see above)")
     args = parser.parse_args()
+    device = torch.device(args.device)
+    raw = json.loads(Path(args.config).read_text())
+    if args.fp8:  # needs no transformers
+        print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}")
+        main_fp8(raw, args, device)
+        return
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from benchmarks.gpu_decode_prefill import contiguous_batch, float32_reference_logits, step_inputs
-
-    device = torch.device(args.device)
     dtype_key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-    raw = json.loads(Path(args.config).read_text())
     cfg = ModelConfig.from_dict(raw)
     hf_dir = Path(tempfile.mkdtemp())
     (hf_dir / "config.json").write_text(json.dumps(raw))

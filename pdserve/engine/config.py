@@ -24,6 +24,11 @@ class EngineConfig:
     attention_backend: Literal["auto", "torch", "flashinfer"] = setting("auto", "attention kernels (auto: flashinfer "
                                                                                 "on GPU where it runs)")
     moe_backend: Literal["auto", "torch", "grouped"] = setting("auto", "expert matmuls (auto: grouped on GPU)")
+    fp8_weights: Literal["auto", "keep", "dequantize"] = setting(
+        "auto", "an FP8 checkpoint's FP8 linears (also random weights of an FP8 config): keep them FP8, half of "
+                "bf16's bytes, computed by FP8 GEMMs on CUDA; or dequantize them to --dtype at load. auto: keep on "
+                "CUDA in bfloat16 with Triton installed, dequantize elsewhere (the CPU's reference would dequantize "
+                "every weight on every call)")
     cuda_graphs: bool = setting(True, "decode under CUDA graphs where it can run (flashinfer attention; not on CPU)")
     expert_exchange: Literal["auto", "fixed", "splits"] = setting(
         "auto", "expert parallelism's exchange in decode steps. fixed: C rows per peer, no host wait, so decode runs "
@@ -61,6 +66,7 @@ class EngineConfig:
             (self.moe_backend in ("auto", "torch", "grouped"), "moe_backend: auto, torch or grouped"),
             (self.expert_exchange in ("auto", "fixed", "splits"), "expert_exchange: auto, fixed or splits"),
             (self.expert_capacity_factor > 0, "expert_capacity_factor must be > 0"),
+            (self.fp8_weights in ("auto", "keep", "dequantize"), "fp8_weights: auto, keep or dequantize"),
             (self.load_format in ("safetensors", "random"), "load_format: safetensors or random"),
             (self.execution in ("model", "simulated"), "execution: model or simulated"),
             (self.time_scale > 0, "time_scale must be > 0"),

@@ -7,6 +7,7 @@ token or string) is therefore seen to end one step late: the token it computed m
 Ends that the host knows without the token's value (max_tokens, the context length) are not scheduled past.
 """
 
+import importlib.util
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -93,6 +94,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def resolve_keep_fp8(name: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether FP8 weights stay FP8: `auto` keeps them where the FP8 kernels run (bf16 on CUDA, Triton present)."""
+    if name == "auto":
+        return device.type == "cuda" and dtype == torch.bfloat16 and importlib.util.find_spec("triton") is not None
+    return name == "keep"
+
+
 class Engine:
     def __init__(self, cfg: EngineConfig, experts: ExpertRange | None = None,
                  on_kv_events: Callable[[list[KVEvent]], None] | None = None,
@@ -157,10 +165,12 @@ class Engine:
         backends = select_backends(cfg.attention_backend, cfg.moe_backend, self.device, self.dtype)
         if wrap_moe is not None:
             backends = replace(backends, moe=wrap_moe(backends.moe))
+        keep_fp8 = resolve_keep_fp8(cfg.fp8_weights, self.device, self.dtype)
         if cfg.load_format == "random":
-            return init_random_weights(build_model(self.model_config, backends, self.device, self.dtype, experts),
-                                       cfg.seed)
-        return load_model(cfg.model, self.model_config, backends, self.device, self.dtype, experts, cfg.progress)
+            model = build_model(self.model_config, backends, self.device, self.dtype, experts, keep_fp8)
+            return init_random_weights(model, cfg.seed)
+        return load_model(cfg.model, self.model_config, backends, self.device, self.dtype, experts, cfg.progress,
+                          keep_fp8)
 
     def _pages_that_fit(self) -> int:
         mc = self.model_config

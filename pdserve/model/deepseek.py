@@ -1,7 +1,8 @@
 """DeepSeek-V2/V3 decoder: MLA attention over a paged latent cache, dense MLP or MoE, on a flat batch of tokens.
 
 Parameter names follow the Hugging Face checkpoints, except routed experts, which are stacked per layer
-(`mlp.experts.w13` = gate and up, `mlp.experts.w2` = down) and hold only this rank's experts.
+(`mlp.experts.w13` = gate and up, `mlp.experts.w2` = down) and hold only this rank's experts. With `fp8_block` set,
+the linears an FP8 checkpoint ships in FP8 stay FP8 (pdserve.model.fp8_modules), each with its `*_scale_inv` grid.
 """
 
 import torch
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model.config import ModelConfig
+from pdserve.model.fp8_modules import FP8Linear, FP8RoutedExperts
 from pdserve.model.rope import RotaryEmbedding
 from pdserve.ops.attention import AttentionBackend, AttentionBatch, gather_kv, write_kv
 from pdserve.ops.moe import ExpertRange, MoEBackend
@@ -27,25 +29,29 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def _linear(in_features: int, out_features: int) -> nn.Linear:
+def _linear(in_features: int, out_features: int, fp8_block: tuple[int, int] | None = None) -> nn.Module:
+    if fp8_block is not None:
+        return FP8Linear(in_features, out_features, fp8_block)
     return nn.Linear(in_features, out_features, bias=False)
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, fp8_block: tuple[int, int] | None = None):
         super().__init__()
         self.cfg = cfg
         heads, qk_dim = cfg.num_attention_heads, cfg.qk_head_dim
         if cfg.q_lora_rank is None:
-            self.q_proj = _linear(cfg.hidden_size, heads * qk_dim)
+            self.q_proj = _linear(cfg.hidden_size, heads * qk_dim, fp8_block)
         else:
-            self.q_a_proj = _linear(cfg.hidden_size, cfg.q_lora_rank)
+            self.q_a_proj = _linear(cfg.hidden_size, cfg.q_lora_rank, fp8_block)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = _linear(cfg.q_lora_rank, heads * qk_dim)
-        self.kv_a_proj_with_mqa = _linear(cfg.hidden_size, cfg.kv_dim)
+            self.q_b_proj = _linear(cfg.q_lora_rank, heads * qk_dim, fp8_block)
+        self.kv_a_proj_with_mqa = _linear(cfg.hidden_size, cfg.kv_dim, fp8_block)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        # Never FP8 (dequantized at load): the absorbed form reads this weight as per-head W_UK and W_UV matrices in
+        # einsums with the queries and the attention output, not as a linear. In bf16 it costs V3 ~1 GB more than FP8.
         self.kv_b_proj = _linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
-        self.o_proj = _linear(heads * cfg.v_head_dim, cfg.hidden_size)
+        self.o_proj = _linear(heads * cfg.v_head_dim, cfg.hidden_size, fp8_block)
 
     def forward(self, x, rotations, rope: RotaryEmbedding, kv_cache, batch: AttentionBatch, backend: AttentionBackend,
                 expanded: bool = False):
@@ -101,11 +107,11 @@ def uses_expanded_attention(cfg: ModelConfig, batch: AttentionBatch) -> bool:
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
+    def __init__(self, hidden: int, inter: int, fp8_block: tuple[int, int] | None = None):
         super().__init__()
-        self.gate_proj = _linear(hidden, inter)
-        self.up_proj = _linear(hidden, inter)
-        self.down_proj = _linear(inter, hidden)
+        self.gate_proj = _linear(hidden, inter, fp8_block)
+        self.up_proj = _linear(hidden, inter, fp8_block)
+        self.down_proj = _linear(inter, hidden, fp8_block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -156,33 +162,46 @@ class RoutedExperts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(experts.count, 2 * inter, cfg.hidden_size))
         self.w2 = nn.Parameter(torch.empty(experts.count, cfg.hidden_size, inter))
 
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.w13, self.w2
+
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, experts: ExpertRange):
+    def __init__(self, cfg: ModelConfig, experts: ExpertRange, fp8_block: tuple[int, int] | None = None):
         super().__init__()
         self.gate = TopkRouter(cfg)
-        self.experts = RoutedExperts(cfg, experts)
+        # Stacked gate and up rows keep whole FP8 blocks only when moe_intermediate_size is a multiple of the block's
+        # rows (V3's 2048 is); otherwise the routed experts are dequantized at load.
+        if fp8_block is not None and cfg.moe_intermediate_size % fp8_block[0] == 0:
+            self.experts: RoutedExperts | FP8RoutedExperts = FP8RoutedExperts(
+                cfg.hidden_size, cfg.moe_intermediate_size, experts, fp8_block)
+        else:
+            self.experts = RoutedExperts(cfg, experts)
         self.shared_experts = (
-            DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
+            DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, fp8_block)
+            if cfg.n_shared_experts else None
         )
 
     def forward(self, x: torch.Tensor, backend: MoEBackend) -> torch.Tensor:
         topk_ids, topk_weights = self.gate(x)
         routed = self.experts
-        out = backend.forward(x, topk_ids, topk_weights, routed.w13, routed.w2, routed.experts.first)
+        w13, w2 = routed.weights()
+        out = backend.forward(x, topk_ids, topk_weights, w13, w2, routed.experts.first)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, experts: ExpertRange):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, experts: ExpertRange,
+                 fp8_block: tuple[int, int] | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAttention(cfg)
+        self.self_attn = MLAttention(cfg, fp8_block)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.is_moe = cfg.is_moe_layer(layer_idx)
-        self.mlp = MoE(cfg, experts) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = (MoE(cfg, experts, fp8_block) if self.is_moe
+                    else DenseMLP(cfg.hidden_size, cfg.intermediate_size, fp8_block))
 
     def forward(self, x, rotations, rope, kv_cache, batch: AttentionBatch, backends: Backends, expanded: bool):
         x = x + self.self_attn(self.input_layernorm(x), rotations, rope, kv_cache, batch, backends.attention, expanded)
@@ -191,20 +210,22 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, experts: ExpertRange):
+    def __init__(self, cfg: ModelConfig, experts: ExpertRange, fp8_block: tuple[int, int] | None = None):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, experts) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, experts, fp8_block) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DeepseekForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backends: Backends, experts: ExpertRange | None = None):
+    def __init__(self, cfg: ModelConfig, backends: Backends, experts: ExpertRange | None = None,
+                 fp8_block: tuple[int, int] | None = None):
+        """`fp8_block`: keep the decoder layers' linears block-FP8 with blocks of this shape (None: all dense)."""
         super().__init__()
         self.cfg = cfg
         self.backends = backends
         self.expert_range = experts or ExpertRange(0, cfg.n_routed_experts)
-        self.model = DeepseekModel(cfg, self.expert_range)
+        self.model = DeepseekModel(cfg, self.expert_range, fp8_block)
         self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size)
         self.rope: RotaryEmbedding | None = None  # built on the final device by init_rope()
 
@@ -226,7 +247,7 @@ class DeepseekForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def routed_expert_bytes(self) -> int:
-        """Memory held by this rank's routed expert weights (what expert parallelism divides)."""
+        """Memory held by this rank's routed expert weights, FP8 scales included (what expert parallelism divides)."""
         return sum(p.numel() * p.element_size() for name, p in self.named_parameters() if ".experts.w" in name)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -4,22 +4,22 @@ import json
 import logging
 import re
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from pdserve.model.block_fp8 import dequantize_block_fp8
 from pdserve.model.config import ModelConfig
 from pdserve.model.deepseek import DeepseekForCausalLM
+from pdserve.ops.block_fp8 import FP8_DTYPE, SCALE_SUFFIX, BlockFP8Weight
 from pdserve.ops.moe import ExpertRange
 from pdserve.ops.select import Backends
 
 EXPERT_TENSOR = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 FUSED_EXPERT_TENSOR = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
-SCALE_SUFFIX = "_scale_inv"
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +29,14 @@ class CheckpointError(ValueError):
 
 
 def build_model(
-    cfg: ModelConfig, backends: Backends, device: torch.device, dtype: torch.dtype, experts: ExpertRange | None = None
+    cfg: ModelConfig, backends: Backends, device: torch.device, dtype: torch.dtype, experts: ExpertRange | None = None,
+    keep_fp8: bool = False,
 ) -> DeepseekForCausalLM:
-    """An uninitialised model on `device` (no host copy of the weights is ever made)."""
+    """An uninitialised model on `device` (no host copy of the weights is ever made). `keep_fp8`: an FP8 checkpoint's
+    FP8 linears stay FP8 (values + scale grid) instead of being dequantized to `dtype`."""
+    fp8_block = cfg.fp8_block_size if keep_fp8 else None
     with torch.device("meta"):
-        model = DeepseekForCausalLM(cfg, backends, experts).to(dtype)
+        model = DeepseekForCausalLM(cfg, backends, experts, fp8_block).to(dtype)
     model.to_empty(device=device)
     for module in model.modules():
         if hasattr(module, "e_score_correction_bias"):
@@ -66,38 +69,30 @@ def load_model(
     dtype: torch.dtype,
     experts: ExpertRange | None = None,
     progress: bool = True,
+    keep_fp8: bool = False,
 ) -> DeepseekForCausalLM:
     model_dir = Path(model_dir)
-    model = build_model(cfg, backends, device, dtype, experts)
+    model = build_model(cfg, backends, device, dtype, experts, keep_fp8)
     params = dict(model.named_parameters()) | dict(model.named_buffers())
-    expected = set(params)
+    # A kept FP8 weight's scale grid is filled with it, so only the weight itself is looked for.
+    expected = {name for name in params if not name.endswith(SCALE_SUFFIX)}
     if cfg.tie_word_embeddings:
         expected.discard("lm_head.weight")
     experts_of = model.expert_range
     files = tensor_files(model_dir)
     filled: set[str] = set()
-    fp8_elements = 0
+    fp8 = FP8Tally()
     with ExitStack() as stack:
         handles = {f: stack.enter_context(safe_open(f, framework="pt", device="cpu")) for f in set(files.values())}
 
-        def read(name: str) -> torch.Tensor:
-            nonlocal fp8_elements
+        def read(name: str) -> torch.Tensor | BlockFP8Weight:
             tensor = handles[files[name]].get_tensor(name)
-            if tensor.dtype == torch.float8_e4m3fn:
-                fp8_elements += tensor.numel()
-                scale_name = name + SCALE_SUFFIX
-                if cfg.fp8_block_size is None or scale_name not in files:
-                    raise CheckpointError(f"FP8 tensor {name} has no {scale_name} or config has no quantization_config")
-                tensor = dequantize_block_fp8(tensor, handles[files[scale_name]].get_tensor(scale_name), cfg.fp8_block_size)
-            return tensor
-
-        def copy_into(target_name: str, target: torch.Tensor, source: torch.Tensor, source_name: str) -> None:
-            if tuple(target.shape) != tuple(source.shape):
-                raise CheckpointError(
-                    f"tensor {source_name}: expected shape {tuple(target.shape)} for {target_name}, "
-                    f"found {tuple(source.shape)}"
-                )
-            target.copy_(source.to(target.dtype))
+            if tensor.dtype != FP8_DTYPE:
+                return tensor
+            scale_name = name + SCALE_SUFFIX
+            if cfg.fp8_block_size is None or scale_name not in files:
+                raise CheckpointError(f"FP8 tensor {name} has no {scale_name} or config has no quantization_config")
+            return BlockFP8Weight(tensor, handles[files[scale_name]].get_tensor(scale_name), cfg.fp8_block_size)
 
         names = [n for n in files if not n.endswith(SCALE_SUFFIX) and not n.endswith("rotary_emb.inv_freq")]
         for name in tqdm(names, desc="loading weights", unit="tensor", disable=not progress, leave=False):
@@ -113,11 +108,11 @@ def load_model(
                 if f"{prefix}.w13" not in params:
                     raise CheckpointError(f"unexpected tensor {name}: layer {layer_idx} has no routed experts")
                 if proj == "down":
-                    target_name, target = f"{prefix}.w2", params[f"{prefix}.w2"][local]
+                    target_name, index = f"{prefix}.w2", (local,)
                 else:
-                    rows = slice(0, inter) if proj == "gate" else slice(inter, 2 * inter)
-                    target_name, target = f"{prefix}.w13", params[f"{prefix}.w13"][local, rows]
-                copy_into(target_name, target, read(name), name)
+                    target_name = f"{prefix}.w13"
+                    index = (local, slice(0, inter) if proj == "gate" else slice(inter, 2 * inter))
+                _copy_into(params, target_name, read(name), name, fp8, index)
                 filled.add(f"{target_name}[{local}].{proj}")
                 continue
             if fused := FUSED_EXPERT_TENSOR.match(name):  # transformers 5 save format
@@ -126,20 +121,72 @@ def load_model(
                 if target_name not in params:
                     raise CheckpointError(f"unexpected tensor {name}: that layer has no routed experts")
                 local_slice = read(name)[experts_of.first : experts_of.first + experts_of.count]
-                copy_into(target_name, params[target_name], local_slice, name)
+                _copy_into(params, target_name, local_slice, name, fp8)
                 filled.add(target_name)
                 continue
             if name not in params:
                 raise CheckpointError(f"unexpected tensor {name} in {files[name].name}: the model has no such weight")
-            copy_into(name, params[name], read(name), name)
+            _copy_into(params, name, read(name), name, fp8)
             filled.add(name)
     _check_complete(model, expected, filled)
-    if fp8_elements:
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        log.info("FP8 block-quantized checkpoint dequantized to %s on load (no FP8 GEMMs yet): the %.1f GiB of FP8 "
-                 "weights read take %.1f GiB here; this rank's weights take %.1f GiB in all", str(dtype).removeprefix(
-                     "torch."), fp8_elements / 2**30, fp8_elements * dtype.itemsize / 2**30, weight_bytes / 2**30)
+    _log_fp8(model, fp8, dtype)
     return model
+
+
+@dataclass
+class FP8Tally:
+    """FP8 values read from the checkpoint: kept FP8, or dequantized where the model holds the weight dense."""
+
+    kept: int = 0
+    dequantized: int = 0
+
+
+def _copy_into(params: dict[str, torch.Tensor], target_name: str, source: torch.Tensor | BlockFP8Weight,
+               source_name: str, fp8: FP8Tally, index: tuple[int | slice, ...] = ()) -> None:
+    """Copies a checkpoint tensor into a parameter, or into `params[target_name][index]` of a stacked one (an
+    expert, and gate's or up's rows of w13). A kept FP8 weight's scale grid goes to the same index in blocks."""
+    target = params[target_name][index]
+    if target.dtype == FP8_DTYPE:
+        if not isinstance(source, BlockFP8Weight):
+            raise CheckpointError(f"tensor {source_name} is stored as {source.dtype}, not FP8, but this model keeps "
+                                  f"{target_name} in FP8 (load with --fp8-weights dequantize)")
+        _copy_checked(target, source.values, target_name, source_name)
+        block_rows = source.block_size[0]
+        in_blocks = tuple(i if isinstance(i, int) else slice(i.start // block_rows, i.stop // block_rows) for i in index)
+        scale_name = target_name + SCALE_SUFFIX
+        _copy_checked(params[scale_name][in_blocks], source.scale_inv, scale_name, source_name + SCALE_SUFFIX)
+        fp8.kept += source.values.numel()
+        return
+    if isinstance(source, BlockFP8Weight):
+        fp8.dequantized += source.values.numel()
+        source = source.dequantize()
+    _copy_checked(target, source, target_name, source_name)
+
+
+def _copy_checked(target: torch.Tensor, source: torch.Tensor, target_name: str, source_name: str) -> None:
+    if tuple(target.shape) != tuple(source.shape):
+        raise CheckpointError(
+            f"tensor {source_name}: expected shape {tuple(target.shape)} for {target_name}, found {tuple(source.shape)}"
+        )
+    target.copy_(source.to(target.dtype))
+
+
+def _log_fp8(model: DeepseekForCausalLM, fp8: FP8Tally, dtype: torch.dtype) -> None:
+    """One line on what an FP8 checkpoint's weights became (one byte per FP8 value)."""
+    kept, dequantized = fp8.kept, fp8.dequantized
+    if not kept and not dequantized:
+        return
+    dtype_name = str(dtype).removeprefix("torch.")
+    weight_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+    if not kept:
+        log.info("FP8 block-quantized checkpoint dequantized to %s on load (--fp8-weights dequantize, the CPU's "
+                 "default): the %.1f GiB of FP8 weights read take %.1f GiB here; this rank's weights take %.1f GiB "
+                 "in all", dtype_name, dequantized / 2**30, dequantized * dtype.itemsize / 2**30, weight_gib)
+        return
+    log.info("FP8 block-quantized checkpoint: %.1f GiB of weights kept in FP8 with their scales, %.2f GiB of FP8 "
+             "dequantized to %s where the model needs another form (MLA's kv_b_proj; routed experts whose "
+             "intermediate size is not whole blocks); this rank's weights take %.1f GiB in all",
+             kept / 2**30, dequantized / 2**30, dtype_name, weight_gib)
 
 
 def _check_complete(model: DeepseekForCausalLM, expected: set[str], filled: set[str]) -> None:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from pdserve.model.block_fp8 import DEFAULT_BLOCK_SIZE, FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8
 from pdserve.model.safetensors_shards import read_safetensors_checkpoint, write_safetensors_checkpoint
 from pdserve.model.tiny_deepseek_tokenizer import write_deepseek_tokenizer
 from pdserve.model.tiny_tokenizer import write_tiny_tokenizer
+from pdserve.ops.block_fp8 import DEFAULT_BLOCK_SIZE, FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8
 
 # Target std of the final logits: wide enough that top-1 and top-2 rarely come within rounding noise.
 TINY_LOGIT_STD = 8.0

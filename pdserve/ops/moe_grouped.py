@@ -1,4 +1,5 @@
-"""Routed experts as two grouped GEMMs (`torch._grouped_mm`, bf16): tokens sorted by expert, no host syncs.
+"""Routed experts as two grouped GEMMs (`torch._grouped_mm` on bf16 weights, pdserve.ops.fp8_gemm's grouped FP8
+GEMM on block-FP8 ones): tokens sorted by expert, no host syncs.
 
 Each (token, slot) pair becomes one row; rows are sorted by local expert so every expert's rows are contiguous,
 and the group boundaries come from a device-side search over the sorted ids, so the step never waits on the host
@@ -9,6 +10,9 @@ combine.
 
 import torch
 import torch.nn.functional as F
+
+from pdserve.ops.block_fp8 import BlockFP8Weight
+from pdserve.ops.fp8_gemm import block_fp8_grouped_linear
 
 
 def weighted_silu_and_mul(gate_up: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -39,13 +43,21 @@ class GroupedMoE:
         sorted_ids, order = torch.sort(local_ids)
         boundaries = torch.arange(1, num_local + 1, device=x.device, dtype=sorted_ids.dtype)
         group_ends = torch.searchsorted(sorted_ids, boundaries, right=False).to(torch.int32)
-        rows = x[order // top_k]
-        gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=group_ends)
+        gate_up = grouped_linear(x, w13, group_ends, row_index=order // top_k)
         activation = fused_weighted_silu_and_mul if x.is_cuda else weighted_silu_and_mul
         activations = activation(gate_up, weights[order])
-        down = torch._grouped_mm(activations, w2.transpose(1, 2), offs=group_ends)
+        down = grouped_linear(activations, w2, group_ends)
         # Unsort with a gather (the inverse permutation), then sum each token's k slots (float32 accumulation,
         # deterministic, unlike an atomic scatter-add).
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         return down[inverse].view(num_tokens, top_k, -1).sum(dim=1)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor | BlockFP8Weight, group_ends: torch.Tensor,
+                   row_index: torch.Tensor | None = None) -> torch.Tensor:
+    """Row i of the result: x[row_index[i]] (x[i] without an index) times the weight of the group holding row i."""
+    if isinstance(weight, BlockFP8Weight):
+        return block_fp8_grouped_linear(x, weight, group_ends, row_index)  # gathers the rows inside the GEMM
+    rows = x if row_index is None else x[row_index]
+    return torch._grouped_mm(rows, weight.transpose(1, 2), offs=group_ends)

@@ -56,6 +56,24 @@ def test_graph_decode_gives_the_eager_tokens(tiny_model_factory):
 
 @pytest.mark.gpu
 @needs_cuda
+def test_fp8_graph_decode_gives_the_eager_tokens(tiny_model_factory):
+    """FP8 weights kept (auto on CUDA): the Triton and cuBLAS FP8 GEMMs inside captured graphs."""
+    pytest.importorskip("flashinfer", reason="decode graphs run on the flashinfer attention backend")
+    model = tiny_model_factory("v3", fp8=True, **FLASHINFER_SHAPE, hidden_size=512, moe_intermediate_size=128)
+    prompts = prompts_of((3, 40, 150))
+    sampling = [greedy(n) for n in (6, 9, 12)]
+    options = dict(progress=False, dtype="bfloat16", max_num_seqs=4, page_size=16, num_pages=64)
+    graphed = LLM(model, cuda_graphs=True, **options)
+    assert graphed.engine.runner.decode_graphs is not None
+    assert any(p.dtype == torch.float8_e4m3fn for p in graphed.engine.runner.model.parameters())
+    eager = LLM(model, cuda_graphs=False, **options)
+    graph_tokens = [r.token_ids for r in graphed.generate(prompt_token_ids=prompts, sampling=sampling)]
+    eager_tokens = [r.token_ids for r in eager.generate(prompt_token_ids=prompts, sampling=sampling)]
+    assert graph_tokens == eager_tokens
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("arch", ["v2", "v3"])
 def test_gpu_float32_greedy_gives_the_cpu_tokens(tiny_model_factory, arch):
     model = tiny_model_factory(arch)

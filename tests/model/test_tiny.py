@@ -7,10 +7,10 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pdserve.model.block_fp8 import FP8_DTYPE, dequantize_block_fp8
 from pdserve.model.safetensors_shards import INDEX_FILE_NAME, read_safetensors_checkpoint
 from pdserve.model.tiny import dequantized_twin, is_fp8_quantized_weight, make_tiny_model
 from pdserve.model.tiny_corpus import TINY_CORPUS
+from pdserve.ops.block_fp8 import FP8_DTYPE, dequantize_block_fp8
 
 FP8_OVERRIDES = {"hidden_size": 160, "intermediate_size": 300, "moe_intermediate_size": 136, "num_hidden_layers": 2}
 

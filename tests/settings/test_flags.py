@@ -102,3 +102,21 @@ def test_every_flag_has_help(cls):
     for f in dataclasses.fields(cls):
         if "help" in f.metadata:
             assert f.metadata["help"].strip(), f"{cls.__name__}.{f.name} has no help text"
+
+
+@pytest.mark.parametrize("value", ["auto", "keep", "dequantize"])
+def test_fp8_weights_flag_takes_its_three_values(monkeypatch, value):
+    monkeypatch.setenv("PDSERVE_INTERNAL_TOKEN", "t0ken")
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser)
+    assert worker_config_from_args(parser.parse_args(["--fp8-weights", value]), "/m").engine.fp8_weights == value
+
+
+def test_fp8_weights_flag_refuses_another_value(capsys):
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--fp8-weights", "fp4"])
+    assert "invalid choice" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="fp8_weights"):
+        EngineConfig(model="/m", fp8_weights="fp4")

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from pdserve.model.block_fp8 import FP8_DTYPE, FP8_MAX, dequantize_block_fp8, quantize_block_fp8
+from pdserve.ops.block_fp8 import FP8_DTYPE, FP8_MAX, BlockFP8Weight, dequantize_block_fp8, quantize_block_fp8
 
 
 def _dequantize_block_by_block(weight_fp8, scale_inv, block_size):
@@ -39,3 +39,17 @@ def test_wrong_scale_grid_is_rejected():
     weight_fp8, scale_inv = quantize_block_fp8(torch.randn(200, 200))
     with pytest.raises(ValueError, match="scale_inv grid"):
         dequantize_block_fp8(weight_fp8, scale_inv[:1])
+
+
+def test_stacked_experts_quantize_each_expert_alone():
+    experts = torch.randn(3, 300, 160, generator=torch.Generator().manual_seed(1))
+    values, scale_inv = quantize_block_fp8(experts)
+    assert values.shape == (3, 300, 160) and scale_inv.shape == (3, 3, 2)
+    for expert in range(3):
+        alone_values, alone_scale = quantize_block_fp8(experts[expert])
+        assert torch.equal(values[expert].view(torch.uint8), alone_values.view(torch.uint8))
+        assert torch.equal(scale_inv[expert], alone_scale)
+    weight = BlockFP8Weight(values, scale_inv, (128, 128))
+    assert weight.shape == (3, 300, 160) and weight[1].shape == (300, 160)
+    assert torch.equal(weight[1].dequantize(), dequantize_block_fp8(values[1], scale_inv[1]))
+    assert torch.equal(weight.dequantize()[2], weight[2].dequantize())

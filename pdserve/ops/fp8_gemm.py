@@ -1,0 +1,112 @@
+"""Linear layers on block-FP8 weights (pdserve.ops.block_fp8): dense, and grouped over rows sorted by expert.
+
+Two paths behind each call. The reference dequantizes the weight and multiplies in the activations' dtype: exact for
+the stored weights and correct on any device, but it rebuilds the full-precision weight on every call. The CUDA path
+(bf16 activations) quantizes the activations too, one float32 scale per token per 128 columns (the weight's K
+block), multiplies on FP8 tensor cores with both scales applied per K block, and writes bf16: cuBLAS blockwise
+scaling (`torch._scaled_mm`, 1x128 activations x 128x128 weights, SM90) where its layout rules hold, our Triton
+kernel (pdserve.ops.fp8_triton) for the other shapes and for the grouped form. Their difference from the reference
+is the activations' FP8 rounding (e4m3: 3 mantissa bits, ~2-4% relative per product), not the weights'.
+"""
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.ops.block_fp8 import BlockFP8Weight, dequantize_block_fp8, quantize_block_fp8
+
+CUBLAS_BLOCK = (128, 128)
+CUBLAS_ROW_MULTIPLE = 4  # cuBLASLt wants the 1x128 scales' leading dimension (the row count) 16-byte aligned
+
+
+def uses_fp8_kernels(x: torch.Tensor) -> bool:
+    """Whether a product with these activations takes the FP8 tensor-core path: bf16 on CUDA. float32 activations
+    (the GPU float32 reference) and the CPU take the reference."""
+    return x.is_cuda and x.dtype == torch.bfloat16
+
+
+def block_fp8_linear(x: torch.Tensor, weight: BlockFP8Weight) -> torch.Tensor:
+    """x [..., in] @ weight [out, in]^T -> [..., out] in x's dtype."""
+    if not uses_fp8_kernels(x):
+        return block_fp8_linear_reference(x, weight)
+    flat = x.reshape(-1, x.shape[-1])
+    if cublas_takes(weight, x.device):
+        out = block_fp8_linear_cublas(flat, weight)
+    else:
+        out = block_fp8_linear_triton(flat, weight)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def block_fp8_linear_reference(x: torch.Tensor, weight: BlockFP8Weight) -> torch.Tensor:
+    return F.linear(x, weight.dequantize(x.dtype))
+
+
+def block_fp8_linear_emulated(x: torch.Tensor, weight: BlockFP8Weight) -> torch.Tensor:
+    """What the FP8 kernels compute, in float32 torch: activations rounded to FP8 in 1 x block_k groups, then the
+    reference product. The fast paths' slow twin (tests, benchmarks)."""
+    group = (1, weight.block_size[1])
+    activations = dequantize_block_fp8(*quantize_block_fp8(x.reshape(-1, x.shape[-1]), group), group)
+    out = F.linear(activations, weight.dequantize(torch.float32))
+    return out.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+
+
+@functools.cache
+def _is_sm90(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+def cublas_takes(weight: BlockFP8Weight, device: torch.device) -> bool:
+    """cuBLAS blockwise FP8 runs only on SM90 with 128x128 weight blocks. Whole blocks are asked for (PyTorch
+    versions disagree on partial ones), and K in multiples of 4 blocks: the weight's scale grid must then have rows
+    of a multiple of 4 floats, which our contiguous grid has without padding."""
+    if weight.values.dim() != 2 or weight.block_size != CUBLAS_BLOCK:
+        return False
+    n, k = weight.shape
+    return n % CUBLAS_BLOCK[0] == 0 and k % (4 * CUBLAS_BLOCK[1]) == 0 and _is_sm90(device)
+
+
+def block_fp8_linear_cublas(x: torch.Tensor, weight: BlockFP8Weight) -> torch.Tensor:
+    """x [M, K] bf16 on an SM90 GPU, weight as cublas_takes() allows -> [M, N] bf16."""
+    from pdserve.ops.fp8_triton import quantize_rows
+
+    q, scales = quantize_rows(x, CUBLAS_BLOCK[1], pad_rows_to=CUBLAS_ROW_MULTIPLE)
+    # Operand layouts _scaled_mm reads as DeepSeek scaling: activations row-major with [M, K/128] scales stored
+    # column-major; the weight column-major ([K, N] view of [N, K]) with its [K/128, N/128] scale view likewise.
+    out = torch._scaled_mm(q, weight.values.t(), scale_a=scales.t(), scale_b=weight.scale_inv.t(),
+                           out_dtype=torch.bfloat16)
+    return out[: x.shape[0]]
+
+
+def block_fp8_linear_triton(x: torch.Tensor, weight: BlockFP8Weight) -> torch.Tensor:
+    """x [M, K] bf16 on CUDA -> [M, N] bf16, any shape and block size."""
+    from pdserve.ops.fp8_triton import fp8_gemm, quantize_rows
+
+    q, scales = quantize_rows(x, weight.block_size[1])
+    return fp8_gemm(q, scales, weight, rows=x.shape[0])
+
+
+def block_fp8_grouped_linear(x: torch.Tensor, weight: BlockFP8Weight, group_ends: torch.Tensor,
+                             row_index: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows sorted by group, each times its group's weight: row i of the result is x[row_index[i]] (x[i] without an
+    index) @ weight[g]^T for the group g whose rows [group_ends[g-1], group_ends[g]) hold i. weight [groups, N, K],
+    group_ends int32 on x's device. Rows past the last end are left unset (none are, the way GroupedMoE sorts)."""
+    if not uses_fp8_kernels(x):
+        return block_fp8_grouped_linear_reference(x, weight, group_ends, row_index)
+    from pdserve.ops.fp8_triton import fp8_gemm, quantize_rows
+
+    # Each token is quantized once, before its rows are gathered (one per routed slot) inside the GEMM.
+    q, scales = quantize_rows(x, weight.block_size[1])
+    rows = x.shape[0] if row_index is None else row_index.numel()
+    return fp8_gemm(q, scales, weight, rows=rows, group_ends=group_ends, row_index=row_index)
+
+
+def block_fp8_grouped_linear_reference(x: torch.Tensor, weight: BlockFP8Weight, group_ends: torch.Tensor,
+                                       row_index: torch.Tensor | None = None) -> torch.Tensor:
+    rows = x if row_index is None else x[row_index]
+    out = rows.new_empty(rows.shape[0], weight.shape[1])
+    start = 0
+    for group, end in enumerate(group_ends.tolist()):
+        out[start:end] = F.linear(rows[start:end], weight[group].dequantize(rows.dtype))
+        start = end
+    return out

@@ -1,0 +1,173 @@
+"""Triton kernels for block-FP8 linears on CUDA: activation quantization in 1 x 128 groups, and one FP8 GEMM over
+groups of rows (a single group: a dense linear; one group per expert: routed experts over rows sorted by expert).
+
+The GEMM walks K one weight block at a time: each step is an FP8 tensor-core product of a [rows, 128] activation
+tile and a [128, cols] weight tile, accumulated in float32 after multiplying by the rows' activation scales and the
+columns' weight-block scales (the scales change along K, so they cannot wait for the epilogue).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.ops.block_fp8 import FP8_DTYPE, FP8_MAX, BlockFP8Weight
+
+QUANTIZE_ROWS_PER_PROGRAM = 32
+SWIZZLE_M = 8  # m-tiles walked down one column of n-tiles before moving right: neighbours share weight tiles in L2
+
+
+# Row counts change with every batch: `do_not_specialize` keeps Triton from compiling a variant per their divisibility.
+@triton.jit(do_not_specialize=["rows", "padded_rows"])
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, rows, padded_rows, cols, x_row_stride, scale_group_stride,
+                          GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, FP8_LIMIT: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    c = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    col_ok = c < cols
+    x = tl.load(x_ptr + r[:, None].to(tl.int64) * x_row_stride + c[None, :],
+                mask=(r < rows)[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.where(amax > 0, amax / FP8_LIMIT, 1.0)  # a zero group: any positive scale is exact
+    q = tl.minimum(tl.maximum(x / scale[:, None], -FP8_LIMIT), FP8_LIMIT)
+    in_buffer = r < padded_rows  # padding rows are written as zeros of scale 1
+    tl.store(q_ptr + r[:, None].to(tl.int64) * cols + c[None, :], q.to(q_ptr.dtype.element_ty),
+             mask=in_buffer[:, None] & col_ok[None, :])
+    tl.store(scale_ptr + tl.program_id(1) * scale_group_stride + r, scale, mask=in_buffer)
+
+
+def quantize_rows(x: torch.Tensor, group: int, pad_rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (FP8 [M', K], float32 scales [ceil(K / group), M']): one scale per row per `group` columns, the
+    group's largest magnitude mapped to the FP8 maximum. M' is M rounded up to `pad_rows_to`. Scales are stored
+    group-major, which is both what cuBLAS takes for 1 x 128 scaling and a contiguous load for a tile of rows."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, cols = x.shape
+    padded_rows = -(-rows // pad_rows_to) * pad_rows_to
+    groups = -(-cols // group)
+    q = torch.empty(padded_rows, cols, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty(groups, padded_rows, dtype=torch.float32, device=x.device)
+    if padded_rows and cols:
+        grid = (triton.cdiv(padded_rows, QUANTIZE_ROWS_PER_PROGRAM), groups)
+        _quantize_rows_kernel[grid](x, q, scales, rows, padded_rows, cols, x.stride(0), scales.stride(0),
+                                    GROUP=group, BLOCK_ROWS=QUANTIZE_ROWS_PER_PROGRAM, FP8_LIMIT=FP8_MAX)
+    return q, scales
+
+
+@triton.jit(do_not_specialize=["total_rows", "m_tiles"])
+def _grouped_fp8_gemm_kernel(
+    a_ptr, a_scale_ptr, row_index_ptr, w_ptr, w_scale_ptr, out_ptr, group_ends_ptr,
+    total_rows, n, k, num_groups, m_tiles,
+    a_row_stride, a_scale_group_stride, w_group_stride, w_row_stride, w_scale_group_stride, w_scale_row_stride,
+    out_row_stride,
+    SINGLE_GROUP: tl.constexpr, GATHER: tl.constexpr, GROUPS_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WEIGHT_BLOCK_N: tl.constexpr,
+    SWIZZLE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(n, BLOCK_N)
+    band = pid // (SWIZZLE * n_tiles)
+    band_height = tl.minimum(m_tiles - band * SWIZZLE, SWIZZLE)
+    in_band = pid % (SWIZZLE * n_tiles)
+    m_tile = band * SWIZZLE + in_band % band_height
+    n_tile = in_band // band_height
+
+    if SINGLE_GROUP:
+        first_row = m_tile * BLOCK_M
+        row_end = total_rows
+        w_offset = 0
+        w_scale_offset = 0
+    else:
+        # m-tiles are numbered group after group (each group's rows split into ceil(rows / BLOCK_M) tiles); the
+        # launch has room for the most tiles any split of the rows can need, and spare programs leave at once.
+        g = tl.arange(0, GROUPS_POW2)
+        ends = tl.load(group_ends_ptr + g, mask=g < num_groups, other=0)
+        starts = tl.load(group_ends_ptr + g - 1, mask=(g > 0) & (g < num_groups), other=0)
+        tiles = tl.cdiv(ends - starts, BLOCK_M)
+        tile_ends = tl.cumsum(tiles, axis=0)
+        group = tl.sum((tile_ends <= m_tile).to(tl.int32), axis=0)
+        if group >= num_groups:
+            return
+        mine = g == group
+        group_first_tile = tl.sum(tl.where(mine, tile_ends - tiles, 0), axis=0)
+        first_row = tl.sum(tl.where(mine, starts, 0), axis=0) + (m_tile - group_first_tile) * BLOCK_M
+        row_end = tl.sum(tl.where(mine, ends, 0), axis=0)
+        w_offset = group.to(tl.int64) * w_group_stride
+        w_scale_offset = group.to(tl.int64) * w_scale_group_stride
+
+    rows = first_row + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_end
+    if GATHER:
+        source_rows = tl.load(row_index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    else:
+        source_rows = rows.to(tl.int64)
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + source_rows[:, None] * a_row_stride + ks[None, :]
+    w_ptrs = w_ptr + w_offset + cols[None, :].to(tl.int64) * w_row_stride + ks[:, None]
+    a_scale_ptrs = a_scale_ptr + source_rows
+    w_scale_ptrs = w_scale_ptr + w_scale_offset + (cols // WEIGHT_BLOCK_N) * w_scale_row_stride
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(k, BLOCK_K)):
+        k_ok = ks < k - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        a_scale = tl.load(a_scale_ptrs + kb * a_scale_group_stride, mask=row_ok, other=0.0)
+        w_scale = tl.load(w_scale_ptrs + kb, mask=col_ok, other=0.0)
+        acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * out_row_stride + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _tile_shape(rows_per_group: float) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for groups of about this many rows: small tiles where rows are few (decode, where
+    the weights' bytes are the cost and more column tiles keep more SMs reading), 128 x 128 where the GEMM is
+    compute-bound."""
+    if rows_per_group <= 16:
+        return 16, 64, 4
+    if rows_per_group <= 32:
+        return 32, 64, 4
+    if rows_per_group <= 64:
+        return 64, 128, 4
+    return 128, 128, 8
+
+
+def fp8_gemm(q: torch.Tensor, scales: torch.Tensor, weight: BlockFP8Weight, rows: int,
+             group_ends: torch.Tensor | None = None, row_index: torch.Tensor | None = None,
+             out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """out[i] = row i of the activations times its group's weight, for `rows` output rows.
+
+    q, scales: quantize_rows() output. Dense (`group_ends` None): weight [N, K], output row i is activation row i.
+    Grouped: weight [groups, N, K], `group_ends` [groups] int32 cumulative row ends (rows sorted by group), output
+    row i is activation row `row_index[i]` (or row i without an index) times weight[group of i]."""
+    values, scale_inv = weight.values, weight.scale_inv
+    block_n, block_k = weight.block_size
+    if values.stride(-1) != 1 or not scale_inv.is_contiguous():
+        raise ValueError("FP8 weights must be contiguous along K, with a contiguous scale grid")
+    n, k = values.shape[-2:]
+    if q.shape[1] != k:
+        raise ValueError(f"activations have {q.shape[1]} columns, the weight takes {k}")
+    single = group_ends is None
+    num_groups = 1 if single else group_ends.numel()
+    out = torch.empty(rows, n, dtype=out_dtype, device=q.device)
+    if rows == 0:
+        return out
+    if block_k & (block_k - 1):
+        raise ValueError(f"the Triton FP8 GEMM takes K blocks of a power of two, got {block_k}")
+    block_m, block_n_tile, warps = _tile_shape(rows / num_groups)
+    m_tiles = triton.cdiv(rows, block_m) + (0 if single else num_groups)
+    grid = (m_tiles * triton.cdiv(n, block_n_tile),)
+    stacked = values.dim() == 3
+    _grouped_fp8_gemm_kernel[grid](
+        q, scales, row_index if row_index is not None else q, values, scale_inv, out,
+        group_ends if group_ends is not None else q,
+        rows, n, k, num_groups, m_tiles,
+        q.stride(0), scales.stride(0), values.stride(0) if stacked else 0, values.stride(-2),
+        scale_inv.stride(0) if stacked else 0, scale_inv.stride(-2), out.stride(0),
+        SINGLE_GROUP=single, GATHER=row_index is not None, GROUPS_POW2=max(2, triton.next_power_of_2(num_groups)),
+        BLOCK_M=block_m, BLOCK_N=block_n_tile, BLOCK_K=block_k, WEIGHT_BLOCK_N=block_n, SWIZZLE=SWIZZLE_M,
+        num_warps=warps, num_stages=4,
+    )
+    return out

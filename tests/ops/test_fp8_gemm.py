@@ -1,0 +1,194 @@
+"""Block-FP8 linears. The reference is dequantize-then-matmul. The CUDA kernels (cuBLAS and Triton, dense and
+grouped) quantize the activations to FP8 too, so they are held to two bounds: close to the FP8 emulation (the same
+rounded activations in float32 torch: only accumulation order and the bf16 output differ, < 1e-2) and near the
+reference within the activations' FP8 rounding (e4m3 keeps 3 mantissa bits: ~3% relative per product, < 6e-2).
+
+Kernel tests run on CUDA (marked gpu) and, for the Triton kernels, in Triton's CPU interpreter when
+TRITON_INTERPRET=1 (a separate venv with triton; CI has neither, and skips them).
+"""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from pdserve.ops.block_fp8 import BlockFP8Weight, dequantize_block_fp8, quantize_block_fp8
+from pdserve.ops.fp8_gemm import (
+    block_fp8_grouped_linear,
+    block_fp8_grouped_linear_reference,
+    block_fp8_linear,
+    block_fp8_linear_emulated,
+    block_fp8_linear_reference,
+    cublas_takes,
+)
+
+KERNEL_TO_EMULATION = 1e-2
+KERNEL_TO_REFERENCE = 6e-2
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+KERNEL_DEVICES = [
+    pytest.param("cuda", marks=pytest.mark.gpu),
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 and triton")),
+]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def random_weight(shape: tuple[int, ...], seed: int = 0, device: str = "cpu") -> BlockFP8Weight:
+    """Drawn and quantized on `device` (V3's expert stacks are ~1e9 values)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    weight = torch.randn(shape, generator=gen, device=device) * shape[-1] ** -0.5
+    return BlockFP8Weight(*quantize_block_fp8(weight), (128, 128))
+
+
+def random_activations(rows: int, cols: int, device: str, seed: int = 1) -> torch.Tensor:
+    # A few large channels, as real activations have: per-group scales must keep the small ones.
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+    x[:, ::97] *= 20
+    return x.to(device, torch.bfloat16)
+
+
+def sorted_groups(num_tokens: int, top_k: int, groups: int, device: str, seed: int = 2):
+    """(row_index, group_ends) as GroupedMoE sorts routed slots; every group after the first few left empty when
+    there are fewer slots than groups."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(groups, generator=gen)[:top_k] for _ in range(num_tokens)]).reshape(-1)
+    sorted_ids, order = torch.sort(ids)
+    ends = torch.searchsorted(sorted_ids, torch.arange(1, groups + 1), right=False).to(torch.int32)
+    return (order // top_k).to(device), ends.to(device)
+
+
+def test_reference_linear_is_dequantize_then_matmul():
+    weight = random_weight((300, 160))
+    dense = dequantize_block_fp8(weight.values, weight.scale_inv, (128, 128))
+    x = torch.randn(2, 5, 160, generator=torch.Generator().manual_seed(3))
+    out = block_fp8_linear(x, weight)  # float32 on the CPU: the reference
+    assert out.shape == (2, 5, 300)
+    torch.testing.assert_close(out, x @ dense.T, rtol=1e-6, atol=1e-6)
+
+
+def test_grouped_reference_is_each_row_times_its_group():
+    weight = random_weight((4, 200, 300))
+    x = torch.randn(7, 300, generator=torch.Generator().manual_seed(4))
+    row_index, ends = sorted_groups(7, 2, 4, "cpu")
+    out = block_fp8_grouped_linear(x, weight, ends, row_index)
+    group_of = torch.bucketize(torch.arange(14), ends.long(), right=True)
+    for row in range(14):
+        expected = weight[int(group_of[row])].dequantize() @ x[row_index[row]]
+        torch.testing.assert_close(out[row], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_activation_rounding_is_what_the_kernel_bound_allows():
+    """The emulated kernel's distance from the reference is the FP8 rounding of the activations: clearly above the
+    bf16 level and under the bound the kernels are held to."""
+    weight = random_weight((256, 1024))
+    x = random_activations(64, 1024, "cpu")
+    err = rel_err(block_fp8_linear_emulated(x, weight), block_fp8_linear_reference(x.float(), weight))
+    assert 1e-2 < err < KERNEL_TO_REFERENCE / 2
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_quantize_rows_matches_torch_block_quantization(device):
+    from pdserve.ops.fp8_triton import quantize_rows
+
+    x = random_activations(37, 300, device)  # partial last group, rows padded to 40
+    q, scales = quantize_rows(x, 128, pad_rows_to=4)
+    assert q.shape == (40, 300) and scales.shape == (3, 40)
+    ref_q, ref_scales = quantize_block_fp8(x, (1, 128))
+    torch.testing.assert_close(scales.t()[:37], ref_scales, rtol=1e-6, atol=0)
+    assert torch.equal(scales[:, 37:], torch.ones(3, 3, device=device)) and not q[37:].float().any()
+    if device == "cpu":
+        pytest.xfail("the interpreter drops the carry when FP8 rounding raises the exponent (124.3 -> 64, not 128)")
+    mismatched = (q[:37].view(torch.uint8) != ref_q.view(torch.uint8)).float().mean().item()
+    assert mismatched < 1e-3  # division rounding may flip a code at a rounding boundary, no more
+
+
+def kernel_shapes(device: str) -> list[tuple[int, int]]:
+    """(out, in): partial weight blocks in both dims; on the GPU also V3's shapes."""
+    if device == "cpu":
+        return [(200, 300)]
+    return [(576, 7168), (300, 10944), (2048, 7168), (7168, 2048)]
+
+
+def kernel_inputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows() on CUDA; in the interpreter, torch's rounding laid out as the kernel's (the interpreter's FP8
+    cast is wrong where rounding carries into the exponent: see the quantize test)."""
+    from pdserve.ops.fp8_triton import quantize_rows
+
+    if x.is_cuda:
+        return quantize_rows(x, 128)
+    q, scales = quantize_block_fp8(x, (1, 128))
+    return q, scales.t().contiguous()
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_triton_dense_gemm_matches_emulation_and_reference(device):
+    from pdserve.ops.fp8_triton import fp8_gemm
+
+    for rows in (1, 16, 67) if device == "cpu" else (1, 64, 4096):
+        for shape in kernel_shapes(device):
+            weight = random_weight(shape, device=device)
+            x = random_activations(rows, shape[1], device)
+            out = fp8_gemm(*kernel_inputs(x), weight, rows=rows)
+            assert out.dtype == torch.bfloat16 and out.shape == (rows, shape[0])
+            assert rel_err(out, block_fp8_linear_emulated(x, weight)) < KERNEL_TO_EMULATION, (rows, shape)
+            assert rel_err(out, block_fp8_linear_reference(x.float(), weight)) < KERNEL_TO_REFERENCE, (rows, shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, 64, 4096])
+def test_cublas_dense_gemm_matches_emulation_and_reference(rows):
+    from pdserve.ops.fp8_gemm import block_fp8_linear_cublas
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("cuBLAS blockwise FP8 scaling runs on SM90")
+    for shape in [(2048, 7168), (7168, 2048), (24576, 1536)]:
+        weight = random_weight(shape, device="cuda")
+        assert cublas_takes(weight, torch.device("cuda"))
+        x = random_activations(rows, shape[1], "cuda")
+        out = block_fp8_linear_cublas(x, weight)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, shape[0])
+        assert rel_err(out, block_fp8_linear_emulated(x, weight)) < KERNEL_TO_EMULATION, (rows, shape)
+        assert rel_err(out, block_fp8_linear_reference(x.float(), weight)) < KERNEL_TO_REFERENCE, (rows, shape)
+    assert not cublas_takes(random_weight((576, 7168), device="cuda"), torch.device("cuda"))  # partial N block
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_triton_grouped_gemm_matches_emulation_and_reference(device):
+    """Routed experts at decode and prefill sizes (on the GPU: EP8's 32 local experts of V3, 8 slots per token;
+    the decode case leaves most experts empty)."""
+    from pdserve.ops.fp8_triton import fp8_gemm
+
+    if device == "cpu":
+        cases = [(3, 2, (4, 200, 300)), (40, 2, (4, 200, 300))]
+    else:
+        cases = [(t, 8, shape) for t in (2, 64, 2048) for shape in ((32, 4096, 7168), (32, 7168, 2048))]
+    for tokens, top_k, shape in cases:
+        weight = random_weight(shape, device=device)
+        x = random_activations(tokens, shape[2], device)
+        row_index, ends = sorted_groups(tokens, top_k, shape[0], device)
+        out = fp8_gemm(*kernel_inputs(x), weight, rows=row_index.numel(), group_ends=ends, row_index=row_index)
+        assert out.dtype == torch.bfloat16 and out.shape == (tokens * top_k, shape[1])
+        group = (1, 128)
+        emulated_x = dequantize_block_fp8(*quantize_block_fp8(x, group), group)
+        emulated = block_fp8_grouped_linear_reference(emulated_x, weight, ends, row_index)
+        reference = block_fp8_grouped_linear_reference(x.float(), weight, ends, row_index)
+        assert rel_err(out, emulated) < KERNEL_TO_EMULATION, (tokens, shape)
+        assert rel_err(out, reference) < KERNEL_TO_REFERENCE, (tokens, shape)
+
+
+@pytest.mark.gpu
+def test_dispatch_takes_the_kernels_for_bf16_on_cuda_and_the_reference_otherwise():
+    for shape in [(576, 7168), (2048, 7168)]:  # Triton; cuBLAS on SM90
+        weight = random_weight(shape, device="cuda")
+        x = random_activations(5, shape[1], "cuda")
+        assert rel_err(block_fp8_linear(x, weight), block_fp8_linear_emulated(x, weight)) < KERNEL_TO_EMULATION
+        assert torch.equal(block_fp8_linear(x.float(), weight), block_fp8_linear_reference(x.float(), weight))
+    weight = random_weight((8, 256, 512), device="cuda")
+    x = random_activations(6, 512, "cuda")
+    row_index, ends = sorted_groups(6, 2, 8, "cuda")
+    fast = block_fp8_grouped_linear(x, weight, ends, row_index)
+    emulated_x = dequantize_block_fp8(*quantize_block_fp8(x, (1, 128)), (1, 128))
+    assert rel_err(fast, block_fp8_grouped_linear_reference(emulated_x, weight, ends, row_index)) < KERNEL_TO_EMULATION
