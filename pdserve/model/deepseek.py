@@ -46,7 +46,9 @@ class MLAttention(nn.Module):
             self.q_a_proj = _linear(cfg.hidden_size, cfg.q_lora_rank, fp8_block)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
             self.q_b_proj = _linear(cfg.q_lora_rank, heads * qk_dim, fp8_block)
-        self.kv_a_proj_with_mqa = _linear(cfg.hidden_size, cfg.kv_dim, fp8_block)
+        # Dequantized at load too: its 576 output columns fit no cuBLAS blockwise layout, and the Triton FP8 GEMM ran
+        # this shape at 0.24-0.41x of bf16's speed on an H100 (benchmarks/gpu_fp8_gemm.py); bf16 costs V3 ~0.5 GB.
+        self.kv_a_proj_with_mqa = _linear(cfg.hidden_size, cfg.kv_dim)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
         # Never FP8 (dequantized at load): the absorbed form reads this weight as per-head W_UK and W_UV matrices in
         # einsums with the queries and the attention output, not as a linear. In bf16 it costs V3 ~1 GB more than FP8.
