@@ -28,10 +28,15 @@ def prompts_for(world_size: int) -> list[list[list[int]]]:
     return per_rank
 
 
-def _rank_main(rank: int, world_size: int, port: int, model: str, prompts: list[list[int]], exchange: str,
+def _rank_main(rank: int, world_size: int, port: int, model: str, prompts: list[list[int]], options: dict,
                capacity_factor: float, results) -> None:
+    """One rank: an engine of `options` (EngineConfig fields) over gloo on the CPU, NCCL on GPU `rank`."""
+    on_cuda = options["device"] == "cuda"
+    if on_cuda:
+        torch.cuda.set_device(rank)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    dist.init_process_group("nccl" if on_cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size)
     try:
         num_experts = ModelConfig.from_dir(model).n_routed_experts
         experts = ExpertRange(*expert_owner_range(rank, world_size, num_experts))
@@ -41,12 +46,11 @@ def _rank_main(rank: int, world_size: int, port: int, model: str, prompts: list[
             backends.append(ExpertParallelMoE(None, num_experts, local, capacity_factor=capacity_factor))
             return backends[-1]
 
-        engine = Engine(EngineConfig(model=model, dtype="float32", device="cpu", num_pages=64, progress=False,
-                                     expert_exchange=exchange), experts=experts, wrap_moe=wrap)
+        engine = Engine(EngineConfig(model=model, progress=False, **options), experts=experts, wrap_moe=wrap)
         for i, ids in enumerate(prompts):
             engine.add_request(f"r{rank}-{i}", ids, SAMPLING)
         tokens: dict[str, list[int]] = {f"r{rank}-{i}": [] for i in range(len(prompts))}
-        lockstep, steps = Lockstep(None, torch.device("cpu")), 0
+        lockstep, steps = Lockstep(None, engine.device), 0
         while lockstep.any_rank_busy(engine.has_work()) and steps < 100:
             steps += 1
             for out in engine.step(force_forward=True):
@@ -57,10 +61,11 @@ def _rank_main(rank: int, world_size: int, port: int, model: str, prompts: list[
         dist.destroy_process_group()
 
 
-def run_instance(model: str, per_rank: list[list[list[int]]], exchange: str, capacity_factor: float) -> dict:
+def run_instance(model: str, per_rank: list[list[list[int]]], options: dict, capacity_factor: float = 2.0,
+                 timeout_s: float = 90) -> dict:
     port = free_port()
-    return run_spawned_ranks(_rank_main, [(r, len(per_rank), port, model, prompts, exchange, capacity_factor)
-                                          for r, prompts in enumerate(per_rank)], 90)
+    return run_spawned_ranks(_rank_main, [(r, len(per_rank), port, model, prompts, options, capacity_factor)
+                                          for r, prompts in enumerate(per_rank)], timeout_s)
 
 
 @pytest.mark.timeout(180)
@@ -83,7 +88,8 @@ def test_expert_parallel_greedy_tokens_equal_one_rank_with_all_experts(tiny_mode
         all_expert_bytes = llm.engine.stats().expert_weight_bytes
     finally:
         torch.set_num_threads(threads)
-    got = run_instance(model, per_rank, exchange, capacity_factor)
+    got = run_instance(model, per_rank, dict(dtype="float32", device="cpu", num_pages=64, expert_exchange=exchange),
+                       capacity_factor)
     steps = {got[rank][1] for rank in got}
     assert len(steps) == 1, f"ranks ran different numbers of forward passes: {steps}"
     for rank, prompts in enumerate(per_rank):
@@ -92,3 +98,24 @@ def test_expert_parallel_greedy_tokens_equal_one_rank_with_all_experts(tiny_mode
         assert expert_bytes * world_size == all_expert_bytes
         assert (stats.fixed_calls > 0) == (exchange == "fixed")
         assert (stats.overflow_steps > 0) == (capacity_factor < 1), stats  # every rank counts the agreed overflows
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_expert_parallel_decode_under_cuda_graphs_gives_the_eager_tokens(tiny_model_factory, world_size):
+    """NCCL, bf16, flashinfer: decode replays graphs holding the fixed-capacity exchange (an idle rank replays padding
+    rows) and gives the tokens of eager steps exchanging split sizes."""
+    pytest.importorskip("flashinfer", reason="decode graphs run on the flashinfer attention backend")
+    if torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs")
+    model = tiny_model_factory("v2", kv_lora_rank=512, qk_rope_head_dim=64, num_attention_heads=16,
+                               num_key_value_heads=16, qk_nope_head_dim=128, v_head_dim=128)
+    # Rank 1 (of 2) has nothing to do: it joins every exchange, replaying graphs of padding rows in decode steps.
+    per_rank = [prompts_for(2)[1], []][:world_size]
+    options = dict(device="cuda", dtype="bfloat16", num_pages=64, max_num_seqs=4)
+    graphs = run_instance(model, per_rank, options | dict(expert_exchange="auto"), timeout_s=300)
+    eager = run_instance(model, per_rank, options | dict(expert_exchange="splits"), timeout_s=300)
+    for rank in range(world_size):
+        assert graphs[rank][0] == eager[rank][0], f"rank {rank}"
+        assert graphs[rank][3].fixed_calls > 0 and eager[rank][3].fixed_calls == 0

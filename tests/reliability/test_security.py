@@ -178,14 +178,12 @@ def test_the_scanner_catches_what_it_looks_for():
 
 
 def test_no_module_of_pdserve_or_router_deserialises_with_pickle():
-    modules = []
+    sources: dict[str, Path] = {}
     for package_name in ("pdserve", "router"):
         package = importlib.import_module(package_name)
         for info in pkgutil.walk_packages(package.__path__, package_name + "."):
-            if info.name.endswith("__main__"):
-                continue  # runs the CLI on import
-            modules.append(importlib.import_module(info.name))
-    assert len(modules) > 30
-    offenders = {module.__name__: uses for module in modules
-                 if (uses := unsafe_uses(Path(module.__file__).read_text()))}
+            # Read, not imported: GPU-only modules (the Triton kernels) import what a CPU host lacks.
+            sources[info.name] = Path(info.module_finder.find_spec(info.name).origin)
+    assert len(sources) > 30 and "pdserve.ops.fp8_triton" in sources
+    offenders = {name: uses for name, path in sources.items() if (uses := unsafe_uses(path.read_text()))}
     assert offenders == {}
