@@ -54,8 +54,11 @@ class ExpertParallelMoE:
     exchange so its time is exact; `capacity_factor` sizes the fixed-capacity exchange (capacity_rows)."""
 
     def __init__(self, group: dist.ProcessGroup | None, num_experts: int, local: MoEBackend | None = None,
-                 sync_timing: bool = False, capacity_factor: float = 2.0):
+                 sync_timing: bool = False, capacity_factor: float = 2.0, host_group: dist.ProcessGroup | None = None):
+        """`host_group`: a gloo group of the same ranks for agreeing on host values (a step's size); over NCCL the
+        agreement would wait for all the device work queued before it, so the host could not run a step ahead."""
         self.group = group
+        self.host_group = host_group
         self.local = local or TorchMoE()
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -71,8 +74,10 @@ class ExpertParallelMoE:
         """A collective: every rank offers its decode step's token count, or None where its step needs the exchange
         with split sizes (a prefill chunk, a batch larger than any graph). The most tokens of any rank, or None if
         any rank said None."""
-        offer = torch.tensor([int(tokens is None), tokens or 0], dtype=torch.int64, device=self._device())
-        dist.all_reduce(offer, op=dist.ReduceOp.MAX, group=self.group)
+        on_host = self.host_group is not None
+        offer = torch.tensor([int(tokens is None), tokens or 0], dtype=torch.int64,
+                             device=torch.device("cpu") if on_host else self._device())
+        dist.all_reduce(offer, op=dist.ReduceOp.MAX, group=self.host_group if on_host else self.group)
         needs_splits, most = offer.tolist()
         return None if needs_splits else most
 

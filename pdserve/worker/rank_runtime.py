@@ -187,12 +187,16 @@ class RankRuntime:
         """This rank's experts and the exchange over the default process group (the actor has joined it)."""
         num_experts = ModelConfig.from_dir(cfg.engine.model).n_routed_experts
         experts = ExpertRange(*expert_owner_range(dist.get_rank(), dist.get_world_size(), num_experts))
+        # Agreements on host values (who is busy, a step's size) go over gloo: over NCCL each would wait for the
+        # device's queued work, and the host could not prepare a step while the last one runs.
+        host_group = dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
         engine = Engine(cfg.engine, experts, self._record_kv_events,
                         wrap_moe=lambda local: ExpertParallelMoE(
-                            None, num_experts, local, capacity_factor=cfg.engine.expert_capacity_factor))
+                            None, num_experts, local, capacity_factor=cfg.engine.expert_capacity_factor,
+                            host_group=host_group))
         log.info("rank %s of %s: routed experts [%s, %s), %.1f MiB of expert weights", cfg.rank, cfg.world_size,
                  experts.first, experts.first + experts.count, engine.runner.model.routed_expert_bytes() / 2**20)
-        return engine, Lockstep(None, engine.device)
+        return engine, Lockstep(host_group, torch.device("cpu"))
 
     # --- lifecycle --------------------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:

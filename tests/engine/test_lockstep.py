@@ -41,16 +41,18 @@ def _rank_main(rank: int, world_size: int, port: int, model: str, prompts: list[
         num_experts = ModelConfig.from_dir(model).n_routed_experts
         experts = ExpertRange(*expert_owner_range(rank, world_size, num_experts))
         backends: list[ExpertParallelMoE] = []
+        host_group = dist.new_group(backend="gloo")  # as a worker's ranks agree on host values (rank_runtime.py)
 
         def wrap(local):
-            backends.append(ExpertParallelMoE(None, num_experts, local, capacity_factor=capacity_factor))
+            backends.append(ExpertParallelMoE(None, num_experts, local, capacity_factor=capacity_factor,
+                                              host_group=host_group))
             return backends[-1]
 
         engine = Engine(EngineConfig(model=model, progress=False, **options), experts=experts, wrap_moe=wrap)
         for i, ids in enumerate(prompts):
             engine.add_request(f"r{rank}-{i}", ids, SAMPLING)
         tokens: dict[str, list[int]] = {f"r{rank}-{i}": [] for i in range(len(prompts))}
-        lockstep, steps = Lockstep(None, engine.device), 0
+        lockstep, steps = Lockstep(host_group, torch.device("cpu")), 0
         while lockstep.any_rank_busy(engine.has_work()) and steps < 100:
             steps += 1
             for out in engine.step(force_forward=True):
