@@ -49,6 +49,10 @@ pdserve.io/pool: {{ .name }}
 {{- if .pool.expertParallel }}
 - --expert-parallel
 {{- end }}
+{{- /* The fit check counted one byte a weight: the FP8 linears must stay FP8 (auto could dequantize them). */}}
+{{- if eq (int .root.Values.model.weightBytes) 1 }}
+- --fp8-weights=keep
+{{- end }}
 {{- /* Hand-off peers: the pods discovery names, under the URL it names them by (the pod IP). */}}
 - --advertise-url=http://$(POD_IP):{{ .root.Values.worker.port }}
 - --discovery=k8s

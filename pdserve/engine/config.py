@@ -19,6 +19,10 @@ class EngineConfig:
     gpu_memory_fraction: float = setting(0.9, "share of GPU memory for weights, activations and the KV pool")
     max_num_seqs: int = setting(256, "requests a rank runs at once")
     max_num_batched_tokens: int = setting(2048, "per-step token budget shared by decodes and prefill chunks")
+    mixed_prefill_tokens: int | None = setting(
+        None, "prefill tokens a step may carry beside running decodes (default: all of --max-num-batched-tokens). "
+              "Each such step is one inter-token gap for every running request: fewer bound ITL while long prompts "
+              "arrive, at some prefill throughput (docs/benchmarks.md, mixed steps)")
     max_model_len: int | None = setting(None, "context length (default: the model's max_position_embeddings)")
     enable_prefix_cache: bool = setting(True, "reuse cached KV pages of shared prompt prefixes", flag="--prefix-cache")
     attention_backend: Literal["auto", "torch", "flashinfer"] = setting("auto", "attention kernels (auto: flashinfer "
@@ -62,6 +66,7 @@ class EngineConfig:
             (0.0 < self.gpu_memory_fraction <= 1.0, "gpu_memory_fraction must be in (0, 1]"),
             (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),
+            (self.mixed_prefill_tokens is None or self.mixed_prefill_tokens >= 1, "mixed_prefill_tokens must be >= 1"),
             (self.attention_backend in ("auto", "torch", "flashinfer"), "attention_backend: auto, torch or flashinfer"),
             (self.moe_backend in ("auto", "torch", "grouped"), "moe_backend: auto, torch or grouped"),
             (self.expert_exchange in ("auto", "fixed", "splits"), "expert_exchange: auto, fixed or splits"),

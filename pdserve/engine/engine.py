@@ -142,8 +142,8 @@ class Engine:
         self.prefix_cache = (RadixCache(self.allocator, cfg.page_size, on_kv_events) if cfg.enable_prefix_cache
                              else NullPrefixCache(self.allocator))
         self.scheduler = Scheduler(
-            SchedulerConfig(cfg.page_size, cfg.max_num_seqs, cfg.max_num_batched_tokens), self.allocator,
-            self.prefix_cache,
+            SchedulerConfig(cfg.page_size, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.mixed_prefill_tokens),
+            self.allocator, self.prefix_cache,
         )
         self.tokenizer = PromptTokenizer(cfg.model) if has_tokenizer(cfg.model) else None
         self.logits_processing = LogitsProcessing(

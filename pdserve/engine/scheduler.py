@@ -19,6 +19,9 @@ class SchedulerConfig:
     page_size: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    # Prefill tokens a step may carry beside decodes (None: the whole budget). A mixed step lasts the decodes' time
+    # plus the chunk's, and every running request waits it out as one inter-token gap.
+    mixed_prefill_tokens: int | None = None
 
 
 @dataclass
@@ -59,6 +62,7 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.cfg.max_num_batched_tokens
+        prefill_room: int | None = None  # tokens left for prefill chunks, set at the first chunk
         scheduled: list[ScheduledSeq] = []
         preempted = False
         # Decodes before prefill chunks, older before newer.
@@ -70,6 +74,12 @@ class Scheduler:
             if request.ends_when_resolved:
                 continue  # its last token is in flight: computing past it would be discarded
             num_new = min(request.num_pending_tokens, budget)
+            if request.is_prefilling:
+                if prefill_room is None:  # decodes come first, so whatever is scheduled by now decodes
+                    prefill_room = self._prefill_room(budget, beside_decodes=bool(scheduled))
+                num_new = min(num_new, prefill_room)
+                if num_new == 0:
+                    break  # the rest are prefill chunks too
             while not self._grow(request, num_new):
                 # never a request already given work this step, nor one about to end (a prefill-only request keeps
                 # its pages for the KV transfer)
@@ -83,10 +93,15 @@ class Scheduler:
             if request.status is RequestStatus.RUNNING:
                 scheduled.append(ScheduledSeq(request, num_new))
                 budget -= num_new
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.cfg.max_num_seqs:
+                if request.is_prefilling:
+                    prefill_room -= num_new
+        if prefill_room is None:
+            prefill_room = self._prefill_room(budget, beside_decodes=bool(scheduled))
+        while (self.waiting and budget > 0 and prefill_room > 0 and not preempted
+               and len(self.running) < self.cfg.max_num_seqs):
             request = self.waiting[0]
             self._match_prefix(request)
-            num_new = min(request.num_pending_tokens, budget)
+            num_new = min(request.num_pending_tokens, budget, prefill_room)
             if not self._grow(request, num_new):
                 self._release_pages(request)
                 break
@@ -95,7 +110,12 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(ScheduledSeq(request, num_new))
             budget -= num_new
+            prefill_room -= num_new
         return scheduled
+
+    def _prefill_room(self, budget: int, beside_decodes: bool) -> int:
+        cap = self.cfg.mixed_prefill_tokens
+        return min(budget, cap) if beside_decodes and cap is not None else budget
 
     def advance(self, scheduled: list[ScheduledSeq]) -> None:
         """Record the KV computed by a step; cache a prompt's pages as soon as its prefill completes."""

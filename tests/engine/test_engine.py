@@ -45,6 +45,12 @@ def test_chunked_prefill_with_small_budget_gives_same_tokens(tiny_v3, reference)
     assert [r.token_ids for r in llm.generate(prompt_token_ids=prompts, sampling=GREEDY)] == expected
 
 
+
+def test_prefill_chunks_capped_beside_decodes_give_same_tokens(tiny_v3, reference):
+    prompts, expected = reference
+    llm = LLM(tiny_v3, progress=False, max_num_batched_tokens=64, mixed_prefill_tokens=7)
+    assert [r.token_ids for r in llm.generate(prompt_token_ids=prompts, sampling=GREEDY)] == expected
+
 def test_preemption_in_a_small_pool_gives_same_tokens_and_frees_every_page(tiny_v3, reference):
     prompts, expected = reference
     llm = LLM(tiny_v3, progress=False, num_pages=16, page_size=16)  # 256 slots, the batch needs ~600

@@ -42,6 +42,28 @@ def test_the_engine_reports_each_steps_decodes_and_prefill_chunks(tiny_v2):
     ]
 
 
+
+def test_a_step_beside_decodes_carries_at_most_mixed_prefill_tokens_of_prefill(tiny_v2):
+    engine = Engine(EngineConfig(model=tiny_v2, dtype="float32", num_pages=64, page_size=16,
+                                 max_num_batched_tokens=32, mixed_prefill_tokens=8, progress=False))
+    engine.add_request("a", list(range(5, 25)), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    engine.step()
+    assert engine.last_step == StepShape(prefill_tokens=20, prefill_seqs=1)  # no decodes yet: the whole budget
+    engine.add_request("b", list(range(5, 35)), GREEDY)  # 30 tokens
+    engine.add_request("c", list(range(5, 15)), GREEDY)  # 10 tokens, waits for b's chunks
+    shapes = []
+    for _ in range(6):
+        engine.step()
+        shapes.append(engine.last_step)
+    assert shapes == [
+        StepShape(decode_batch=1, decode_context=21, prefill_tokens=8, prefill_seqs=1),
+        StepShape(decode_batch=1, decode_context=22, prefill_tokens=8, prefill_seqs=1),
+        StepShape(decode_batch=1, decode_context=23, prefill_tokens=8, prefill_seqs=1),
+        StepShape(decode_batch=1, decode_context=24, prefill_tokens=8, prefill_seqs=2),  # b's last 6, 2 of c
+        StepShape(decode_batch=2, decode_context=(25 + 31) / 2, prefill_tokens=8, prefill_seqs=1),  # c's rest
+        StepShape(decode_batch=3, decode_context=(26 + 32 + 11) / 3),
+    ]
+
 class TracedLoop:
     def __init__(self, model: str, trace_path: Path):
         self.finished: list[str] = []

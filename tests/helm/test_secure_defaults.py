@@ -46,21 +46,27 @@ def test_the_model_sizes_in_the_values_are_those_of_the_config(config: str, valu
     assert round(size.total_params / 1e9, 1) == {"deepseek-v2-lite": 15.7, "deepseek-v3": 671.0}[config]
 
 
-def test_v3_values_shard_the_experts_over_16_h200_ranks_per_instance() -> None:
+def test_v3_values_serve_fp8_over_8_h200_ranks_on_one_node_per_instance() -> None:
     objects = render_objects(V3_VALUES)
+    assert not by_kind(objects, "LeaderWorkerSet")
     for name in ("pdserve-prefill", "pdserve-decode"):
-        lws = named(objects, "LeaderWorkerSet", name)
-        assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
-        leader = lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"][0]
-        assert "--ranks=16" in leader["args"][0] and "--expert-parallel" in leader["args"][0]
-        assert leader["resources"]["limits"]["nvidia.com/gpu"] == 8
-    assert model_size(json.loads((CONFIGS / "deepseek-v3.json").read_text())).weight_gib_per_rank(16, 2) < 141 * 0.9 - 4
+        container = named(objects, "StatefulSet", name)["spec"]["template"]["spec"]["containers"][0]
+        assert {"--ranks=8", "--expert-parallel", "--fp8-weights=keep"} <= set(container["args"])
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert model_size(json.loads((CONFIGS / "deepseek-v3.json").read_text())).weight_gib_per_rank(8, 1) < 141 * 0.9 - 4
+
+
+def test_two_byte_weights_do_not_ask_to_keep_fp8() -> None:
+    for template in pod_templates(render_objects({})):
+        for container in _containers(template):
+            assert not any("--fp8-weights" in arg for arg in container.get("args", [])), container["name"]
 
 
 @pytest.mark.parametrize(("values", "numbers"), [
     ({**V3_VALUES, "poolDefaults": {**V3_VALUES["poolDefaults"], "expertParallel": False}},
-     ["pools.prefill", "1249.9 GiB", "/ 1 expert shard", "126.9 GiB", "141"]),
-    ({**V3_VALUES, "worker": {"gpuMemoryGiB": 80}}, ["108.0 GiB", "/ 16 expert shard", "72.0 GiB", "80"]),
+     ["pools.prefill", "624.9 GiB", "/ 1 expert shard", "126.9 GiB", "141"]),
+    ({**V3_VALUES, "worker": {"gpuMemoryGiB": 80}}, ["92.1 GiB", "/ 8 expert shard", "72.0 GiB", "80"]),
+    ({**V3_VALUES, "model": {**V3_VALUES["model"], "weightBytes": 2}}, ["184.1 GiB", "/ 8 expert shard"]),
     ({"worker": {"gpuMemoryGiB": 24}}, ["29.2 GiB", "21.6 GiB", "4 GiB must stay for the KV cache"]),
 ])
 def test_pools_whose_weights_cannot_fit_are_refused_naming_the_numbers(values: dict, numbers: list[str]) -> None:
@@ -70,10 +76,15 @@ def test_pools_whose_weights_cannot_fit_are_refused_naming_the_numbers(values: d
         assert number in str(refused.value), (number, str(refused.value)[:600])
 
 
-def test_fp8_weights_make_v3_fit_one_node_of_h200s() -> None:
-    values = {**V3_VALUES, "model": {**V3_VALUES["model"], "weightBytes": 1},
-              "poolDefaults": {**V3_VALUES["poolDefaults"], "ranks": 8, "multiNode": {"enabled": False}}}
-    assert by_kind(render_objects(values), "StatefulSet")
+def test_v3_in_bf16_fits_16_h200_ranks_over_two_nodes() -> None:
+    values = {**V3_VALUES, "model": {**V3_VALUES["model"], "weightBytes": 2},
+              "poolDefaults": {**V3_VALUES["poolDefaults"], "ranks": 16, "multiNode": {"enabled": True, "nodes": 2}}}
+    objects = render_objects(values)
+    for name in ("pdserve-prefill", "pdserve-decode"):
+        lws = named(objects, "LeaderWorkerSet", name)
+        assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+        leader = lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"][0]
+        assert "--ranks=16" in leader["args"][0] and "--fp8-weights" not in leader["args"][0]
 
 
 @pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
