@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from gpu_decode_prefill import DEFAULT_CONFIG, contiguous_batch, step_inputs
 
-from pdserve.cluster.layout import free_port
+from pdserve.http.ports import free_port
 from pdserve.engine.cuda_graphs import DecodeGraphConfig, DecodeGraphs
 from pdserve.model.config import ModelConfig
 from pdserve.model.loader import build_model

@@ -32,7 +32,7 @@ import aiohttp
 import httpx
 import msgspec
 
-from pdserve.cluster.layout import free_port
+from pdserve.http.ports import free_port
 from pdserve.http.internal_auth import TOKEN_ENV
 from pdserve.wire.protocol import (
     API_VERSION,

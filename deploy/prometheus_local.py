@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -16,15 +15,11 @@ from typing import Any
 
 import httpx
 
+from pdserve.http.ports import free_port
+
 
 def prometheus_available() -> bool:
     return shutil.which("prometheus") is not None and shutil.which("promtool") is not None
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class LocalPrometheus:
@@ -35,7 +30,7 @@ class LocalPrometheus:
         self.storage_dir = work_dir / "tsdb"
         self.config_path.write_text(config_text)
         self.ready_timeout_s = ready_timeout_s
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = work_dir / "prometheus.log"
         self._process: subprocess.Popen[bytes] | None = None

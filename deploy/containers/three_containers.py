@@ -20,7 +20,7 @@ import httpx
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.cluster.local import free_port
+from pdserve.http.ports import free_port
 from pdserve.http.internal_auth import TOKEN_ENV
 from pdserve.model.tiny import make_tiny_model
 

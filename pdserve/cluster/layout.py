@@ -13,18 +13,13 @@ import httpx
 
 from pdserve.discovery.endpoints import write_endpoints_file
 from pdserve.http.internal_auth import TOKEN_ENV, bearer_headers
+from pdserve.http.ports import free_port
 
 
 def cluster_credential() -> str:
     """The internal-API credential a cluster hands its parts: $PDSERVE_INTERNAL_TOKEN when set (so a caller that set
     it can reach the workers too), else a fresh one."""
     return os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,13 @@ from pdserve.cluster.layout import (
     ClusterConfig,
     StartedCluster,
     cluster_credential,
-    free_port,
     router_flags,
     wait_routable,
     worker_flags,
     worker_slots,
 )
 from pdserve.http.internal_auth import TOKEN_ENV
+from pdserve.http.ports import free_port
 
 log = logging.getLogger(__name__)
 

@@ -82,6 +82,9 @@ class DecodeGraphs:
         device = kv_cache.device
         # Rows: token ids, positions, KV slots. One copy fills them; every graph reads a prefix of each row.
         self._inputs = torch.zeros(3, self.sizes[-1], dtype=torch.int64, device=device)
+        # Per routed (row, expert) pair: 1 for a sequence's row, 0 for padding, so padding is not counted as load.
+        self._top_k = model.cfg.num_experts_per_tok
+        self._pair_valid = torch.zeros(self.sizes[-1] * self._top_k, dtype=torch.int64, device=device)
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)  # replays never overlap
         pool = torch.cuda.graph_pool_handle()
         self._steps: dict[int, tuple[_CapturedStep, _CapturedStep]] = {}
@@ -107,7 +110,9 @@ class DecodeGraphs:
         ids, positions, slots = self._inputs[:, :size]
         batch = AttentionBatch(query_lens=[1] * size, kv_lens=[1] * size, slot_mapping=slots, page_size=self.page_size,
                                page_table=torch.zeros(size, 1, dtype=torch.int64, device=ids.device))  # unused
-        backends = Backends(attention=attention, moe=self.model.backends.moe)
+        load = self.model.backends.expert_load
+        backends = Backends(attention=attention, moe=self.model.backends.moe,
+                            expert_load=load.masked(self._pair_valid) if load is not None else None)
 
         def step() -> torch.Tensor:
             return self.model.compute_logits(self.model(ids, positions, self.kv_cache, batch, backends))
@@ -151,6 +156,9 @@ class DecodeGraphs:
         host = torch.tensor([input_ids + [0] * pad, positions + [0] * pad,
                              slots + [self.scratch_page * self.page_size] * pad], dtype=torch.int64)
         self._inputs[:, :size].copy_(host, non_blocking=True)  # staged at once: no wait for a step in flight
+        if self.model.backends.expert_load is not None:
+            pairs = torch.tensor([1] * (num_seqs * self._top_k) + [0] * (pad * self._top_k), dtype=torch.int64)
+            self._pair_valid[: size * self._top_k].copy_(pairs, non_blocking=True)
         if carried is not None:
             carried.write_into(self._inputs[0, :num_seqs])
         step.graph.replay()

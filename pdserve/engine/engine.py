@@ -10,7 +10,7 @@ Ends that the host knows without the token's value (max_tokens, the context leng
 import importlib.util
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -33,6 +33,7 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.deepseek import DeepseekForCausalLM
 from pdserve.model.loader import build_model, load_model
 from pdserve.model.random_init import init_random_weights
+from pdserve.ops.expert_load import ExpertCountsReader, ExpertLoad
 from pdserve.ops.moe import ExpertRange, MoEBackend
 from pdserve.ops.moe_ep import ExpertParallelMoE
 from pdserve.ops.select import select_backends
@@ -80,6 +81,8 @@ class EngineStats:
     generation_tokens: int
     expert_weight_bytes: int = 0
     expert_exchange_overflows: int = 0  # fixed-capacity decode steps run again with split sizes
+    # (token, expert) pairs this rank's tokens sent to each routed expert (global ids), summed over layers
+    expert_tokens: list[int] = field(default_factory=list)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -123,6 +126,7 @@ class Engine:
                 profile, self.model_config.vocab_size, num_pages, cfg.page_size, cfg.time_scale, cfg.seed)
             self.expert_weight_bytes, described = 0, f"simulated ({profile.name})"
             self.fixed_exchange: ExpertParallelMoE | None = None
+            self._expert_counts: ExpertCountsReader | None = None
         else:
             model = self._build_model(cfg, experts, wrap_moe)
             num_pages = cfg.num_pages or self._pages_that_fit()
@@ -136,6 +140,8 @@ class Engine:
             self.runner = ModelRunner(model, num_pages, cfg.page_size, self.device, self.dtype, graphs,
                                       self.fixed_exchange)
             self.expert_weight_bytes = model.routed_expert_bytes()
+            load = model.backends.expert_load
+            self._expert_counts = ExpertCountsReader(load) if load is not None else None
             described = (f"routed experts [{model.expert_range.first}, +{model.expert_range.count}): "
                          f"{self.expert_weight_bytes} bytes")
         self.allocator = PageAllocator(num_pages)
@@ -165,6 +171,10 @@ class Engine:
         backends = select_backends(cfg.attention_backend, cfg.moe_backend, self.device, self.dtype)
         if wrap_moe is not None:
             backends = replace(backends, moe=wrap_moe(backends.moe))
+        mc = self.model_config
+        if mc.n_routed_experts:
+            backends = replace(backends, expert_load=ExpertLoad.zeros(mc.num_hidden_layers, mc.n_routed_experts,
+                                                                      self.device))
         keep_fp8 = resolve_keep_fp8(cfg.fp8_weights, self.device, self.dtype)
         if cfg.load_format == "random":
             model = build_model(self.model_config, backends, self.device, self.dtype, experts, keep_fp8)
@@ -285,6 +295,7 @@ class Engine:
             generation_tokens=self._generation_tokens,
             expert_weight_bytes=self.expert_weight_bytes,
             expert_exchange_overflows=self.fixed_exchange.exchange.overflow_steps if self.fixed_exchange else 0,
+            expert_tokens=self._expert_counts.per_expert() if self._expert_counts is not None else [],
         )
 
     # --- the step -------------------------------------------------------------------------------------------

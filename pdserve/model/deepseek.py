@@ -13,6 +13,7 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.fp8_modules import FP8Linear, FP8RoutedExperts
 from pdserve.model.rope import RotaryEmbedding
 from pdserve.ops.attention import AttentionBackend, AttentionBatch, gather_kv, write_kv
+from pdserve.ops.expert_load import ExpertLoad
 from pdserve.ops.moe import ExpertRange, MoEBackend
 from pdserve.ops.select import Backends
 
@@ -169,8 +170,10 @@ class RoutedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, experts: ExpertRange, fp8_block: tuple[int, int] | None = None):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, experts: ExpertRange,
+                 fp8_block: tuple[int, int] | None = None):
         super().__init__()
+        self.layer_idx = layer_idx
         self.gate = TopkRouter(cfg)
         # Stacked gate and up rows keep whole FP8 blocks only when moe_intermediate_size is a multiple of the block's
         # rows (V3's 2048 is); otherwise the routed experts are dequantized at load.
@@ -184,8 +187,10 @@ class MoE(nn.Module):
             if cfg.n_shared_experts else None
         )
 
-    def forward(self, x: torch.Tensor, backend: MoEBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, backend: MoEBackend, load: ExpertLoad | None) -> torch.Tensor:
         topk_ids, topk_weights = self.gate(x)
+        if load is not None:
+            load.record(self.layer_idx, topk_ids)
         routed = self.experts
         w13, w2 = routed.weights()
         out = backend.forward(x, topk_ids, topk_weights, w13, w2, routed.experts.first)
@@ -202,13 +207,13 @@ class DecoderLayer(nn.Module):
         self.self_attn = MLAttention(cfg, fp8_block)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.is_moe = cfg.is_moe_layer(layer_idx)
-        self.mlp = (MoE(cfg, experts, fp8_block) if self.is_moe
+        self.mlp = (MoE(cfg, layer_idx, experts, fp8_block) if self.is_moe
                     else DenseMLP(cfg.hidden_size, cfg.intermediate_size, fp8_block))
 
     def forward(self, x, rotations, rope, kv_cache, batch: AttentionBatch, backends: Backends, expanded: bool):
         x = x + self.self_attn(self.input_layernorm(x), rotations, rope, kv_cache, batch, backends.attention, expanded)
         h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, backends.moe) if self.is_moe else self.mlp(h))
+        return x + (self.mlp(h, backends.moe, backends.expert_load) if self.is_moe else self.mlp(h))
 
 
 class DeepseekModel(nn.Module):

@@ -6,15 +6,17 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.ops.attention import AttentionBackend, TorchAttention
+from pdserve.ops.expert_load import ExpertLoad
 from pdserve.ops.moe import MoEBackend, TorchMoE
 
 
 @dataclass(frozen=True)
 class Backends:
-    """The kernels a model runs on: one attention and one MoE backend."""
+    """The kernels a model runs on: one attention and one MoE backend, and where routed pairs are counted."""
 
     attention: AttentionBackend
     moe: MoEBackend
+    expert_load: ExpertLoad | None = None
 
 
 GPU_KERNEL_DTYPES = (torch.bfloat16,)  # flashinfer MLA and torch._grouped_mm run in bf16, not float32

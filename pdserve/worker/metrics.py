@@ -74,3 +74,9 @@ class WorkerMetrics:
             for rank, rank_stats in sorted(self._snapshots.items()):
                 family.add_metric([self.model, self.role, str(rank)], read(rank_stats.engine, rank_stats.counters))
             yield family
+        family = CounterMetricFamily("pdserve_expert_tokens", "Routed (token, expert) pairs sent to each expert, "
+                                     "summed over MoE layers", labels=[*LABELS, "expert"])
+        for rank, rank_stats in sorted(self._snapshots.items()):
+            for expert, pairs in enumerate(rank_stats.engine.expert_tokens):
+                family.add_metric([self.model, self.role, str(rank), str(expert)], pairs)
+        yield family

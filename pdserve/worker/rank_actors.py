@@ -10,7 +10,6 @@ second, which capped what a decode worker could stream below what its GPU made (
 import asyncio
 import logging
 import os
-import socket
 import sys
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -23,6 +22,7 @@ from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.engine.engine import resolve_device
+from pdserve.http.ports import free_port
 from pdserve.wire.protocol import (
     GenerateRequest,
     KVEventBatch,
@@ -67,10 +67,7 @@ class RankActor:
 
     async def rendezvous_address(self) -> str:
         """host:port where this (rank 0) actor's node can host the process group's store."""
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
-        return f"{ray.util.get_node_ip_address()}:{port}"
+        return f"{ray.util.get_node_ip_address()}:{free_port(host='')}"
 
     async def join(self, address: str) -> None:
         await asyncio.to_thread(self._join, address)

@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from pdserve.cluster.layout import free_port
+from pdserve.http.ports import free_port
 
 
 def test_up_serves_and_ctrl_c_leaves_no_process_behind(tiny_v2, tmp_path):

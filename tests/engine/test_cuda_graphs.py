@@ -52,6 +52,14 @@ def test_graph_decode_gives_the_eager_tokens(tiny_model_factory):
     eager_tokens = [r.token_ids for r in eager.generate(prompt_token_ids=prompts, sampling=sampling)]
     assert graph_tokens == eager_tokens
     assert [len(t) for t in graph_tokens] == [6, 9, 12, 15, 18]
+    # Routed pairs: padding rows of a graph's batch are not counted, so both count every fed token's pairs once.
+    cfg = graphed.engine.model_config
+    pairs = sum(len(p) + s.max_tokens - 1 for p, s in zip(prompts, sampling)) * cfg.num_experts_per_tok * sum(
+        cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    for llm in (graphed, eager):
+        llm.engine.stats()  # starts the copy the next read returns
+        torch.cuda.synchronize()
+        assert sum(llm.engine.stats().expert_tokens) == pairs
 
 
 @pytest.mark.gpu

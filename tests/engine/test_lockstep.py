@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 from spawned_ranks import run_spawned_ranks
 
-from pdserve.cluster.layout import free_port
+from pdserve.http.ports import free_port
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.llm import LLM

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 from spawned_ranks import run_spawned_ranks
 
-from pdserve.cluster.layout import free_port
+from pdserve.http.ports import free_port
 from pdserve.ops.moe import TorchMoE
 from pdserve.ops.moe_ep import ExpertParallelMoE, expert_owner_range
 

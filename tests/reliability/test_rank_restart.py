@@ -14,7 +14,7 @@ import pytest
 from load import rank_actor_pids_of
 from probes import health_status, internal_headers, wait_for
 
-from pdserve.cluster.layout import free_port
+from pdserve.http.ports import free_port
 from pdserve.wire.client import WorkerClient, worker_session
 from pdserve.wire.protocol import GenerateRequest, TokenEvent
 from pdserve.wire.sampling import SamplingParams

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.cluster.layout import free_port
+from pdserve.http.ports import free_port
 from pdserve_router.admission import authenticate
 from pdserve_router.app import build_router_app
 from pdserve_router.config import RouterConfig

@@ -3,7 +3,6 @@
 that event delivered, after the bounded wait for the stream's end."""
 
 import asyncio
-import socket
 import threading
 import time
 
@@ -11,6 +10,7 @@ import msgspec
 import pytest
 import uvicorn
 
+from pdserve.http.ports import free_port
 from pdserve.wire import client as client_module
 from pdserve.wire.client import WorkerClient, worker_session
 from pdserve.wire.protocol import GenerateRequest, TokenEvent
@@ -22,9 +22,7 @@ class Server:
     def __init__(self, hold_open: bool = False) -> None:
         self.hold_open = hold_open
         self.client_ports: set[int] = set()
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
+        self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
                                                    interface="asgi3"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -13,8 +13,9 @@ import pytest
 import torch
 from probes import health_status, internal_headers, wait_for
 
-from pdserve.cluster.layout import free_port
+from pdserve.http.ports import free_port
 from pdserve.engine.llm import LLM
+from pdserve.model.config import ModelConfig
 from pdserve.wire.client import WorkerClient, worker_session
 from pdserve.wire.protocol import GenerateRequest, TokenEvent
 from pdserve.wire.sampling import SamplingParams
@@ -54,6 +55,14 @@ def rank_actor_pids(worker_pid: int) -> list[int]:
     return pids
 
 
+def expert_pairs(url: str) -> dict[int, float]:
+    """pdserve_expert_tokens_total summed over experts, per rank, as scraped."""
+    totals: dict[int, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=10.0).text.splitlines():
+        if line.startswith("pdserve_expert_tokens_total{"):
+            rank = int(line.split('rank="', 1)[1].split('"', 1)[0])
+            totals[rank] = totals.get(rank, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
 
 
 async def generate(url: str, rank: int, prompt: list[int], request_id: str,
@@ -110,14 +119,23 @@ def offline_tokens(tiny_v2) -> dict[int, list[list[int]]]:
 
 
 @pytest.mark.timeout(400)
-def test_expert_parallel_worker_serves_offline_tokens_and_restarts_after_a_rank_dies(ep_worker, offline_tokens):
+def test_expert_parallel_worker_serves_offline_tokens_and_restarts_after_a_rank_dies(ep_worker, offline_tokens,
+                                                                                     tiny_v2):
     url, process = ep_worker
+    warm_up_pairs = expert_pairs(url)  # the ranks' warm-up prompts were routed too
     assert asyncio.run(generate_all(url, "before")) == offline_tokens
 
     metrics = httpx.get(url + "/metrics", timeout=10.0).text
     expert_bytes = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                     if line.startswith("pdserve_expert_weight_bytes{")]
     assert len(expert_bytes) == 2 and expert_bytes[0] == expert_bytes[1] > 0
+
+    # Each rank counts the routed pairs of its own tokens over every expert, both halves of the experts included.
+    moe = ModelConfig.from_dir(tiny_v2)
+    pairs_per_row = moe.num_experts_per_tok * sum(moe.is_moe_layer(i) for i in range(moe.num_hidden_layers))
+    rows = {rank: sum(len(p) + SAMPLING.max_tokens - 1 for p in prompts) for rank, prompts in PROMPTS.items()}
+    expected = {rank: warm_up_pairs[rank] + n * pairs_per_row for rank, n in rows.items()}
+    wait_for(lambda: expert_pairs(url) == expected, 10.0, "routed pairs counted per rank")
 
     actor_pids = wait_for(lambda: len(p := rank_actor_pids(process.pid)) == 2 and p, 10.0, "two rank actors")
 
