@@ -156,9 +156,9 @@ class DecodeGraphs:
         host = torch.tensor([input_ids + [0] * pad, positions + [0] * pad,
                              slots + [self.scratch_page * self.page_size] * pad], dtype=torch.int64)
         self._inputs[:, :size].copy_(host, non_blocking=True)  # staged at once: no wait for a step in flight
-        if self.model.backends.expert_load is not None:
-            pairs = torch.tensor([1] * (num_seqs * self._top_k) + [0] * (pad * self._top_k), dtype=torch.int64)
-            self._pair_valid[: size * self._top_k].copy_(pairs, non_blocking=True)
+        if self.model.backends.expert_load is not None:  # two fills on the device, nothing built on the host
+            self._pair_valid[: num_seqs * self._top_k].fill_(1)
+            self._pair_valid[num_seqs * self._top_k: size * self._top_k].fill_(0)
         if carried is not None:
             carried.write_into(self._inputs[0, :num_seqs])
         step.graph.replay()
