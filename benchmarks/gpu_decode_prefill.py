@@ -19,7 +19,7 @@ import torch
 from benchmarks.model_steps import contiguous_batch, float32_reference_logits, step_inputs
 from pdserve.engine.cuda_graphs import DecodeGraphConfig, DecodeGraphs
 from pdserve.model.config import ModelConfig
-from pdserve.model.deepseek import DeepseekForCausalLM
+from pdserve.model.deepseek import DeepseekForCausalLM, compiled_regions
 from pdserve.model.loader import build_model
 from pdserve.model.random_init import init_random_weights
 from pdserve.ops.attention import AttentionBatch
@@ -107,7 +107,8 @@ def prefill_flop(model: DeepseekForCausalLM, num_tokens: int, attention_width: i
     return 2 * per_token * num_tokens + attention + 2 * model.lm_head.weight.numel()
 
 
-def decode_row(model, kv_cache, scratch_page, batch_size, context, page_size, bytes_per_s, use_graph, log) -> dict:
+def decode_row(model, kv_cache, scratch_page, batch_size, context, page_size, bytes_per_s, use_graph, compile_too,
+               log) -> dict:
     cfg, device = model.cfg, kv_cache.device
     query_lens, kv_lens = [1] * batch_size, [context] * batch_size
     ids, positions, last_rows = step_inputs(query_lens, kv_lens, cfg.vocab_size, device)
@@ -126,25 +127,38 @@ def decode_row(model, kv_cache, scratch_page, batch_size, context, page_size, by
 
     with torch.inference_mode():
         eager_ms = timed_ms(eager_step, device)
-    graph_ms = float("nan")
+    graph_ms = regions_ms = compiled_ms = logits_diff = float("nan")
     if use_graph:
         try:
-            graph_ms = engine_graph_step_ms(model, kv_cache, scratch_page, query_lens, kv_lens, page_size)
+            graph_ms, logits = engine_graph_step_ms(model, kv_cache, scratch_page, query_lens, kv_lens, page_size)
+            if compile_too:
+                regions_ms, _ = engine_graph_step_ms(model, kv_cache, scratch_page, query_lens, kv_lens, page_size,
+                                                     compiled=(True, False))
+                compiled_ms, compiled_logits = engine_graph_step_ms(model, kv_cache, scratch_page, query_lens, kv_lens,
+                                                                    page_size, compiled=(True, True))
+                logits_diff = ((compiled_logits - logits).norm() / logits.norm()).item()
         except Exception as error:  # report and go on: the eager figure still stands
             log(f"cuda graph capture failed at batch {batch_size}: {type(error).__name__}: {error}")
     roofline_ms = roofline_bytes / bytes_per_s * 1e3
-    best = min(eager_ms, graph_ms) if graph_ms == graph_ms else eager_ms
+    best = min(t for t in (eager_ms, graph_ms, regions_ms, compiled_ms) if t == t)
     return dict(batch=batch_size, context=context, gb=roofline_bytes / 1e9, roofline_ms=roofline_ms,
-                eager_ms=eager_ms, graph_ms=graph_ms, ratio=roofline_ms / best)
+                eager_ms=eager_ms, graph_ms=graph_ms, regions_ms=regions_ms, compiled_ms=compiled_ms,
+                logits_diff=logits_diff,
+                ratio=roofline_ms / best)
 
 
-def engine_graph_step_ms(model, kv_cache, scratch_page, query_lens, kv_lens, page_size, iters: int = 20) -> float:
+def engine_graph_step_ms(model, kv_cache, scratch_page, query_lens, kv_lens, page_size, iters: int = 20,
+                         compiled: tuple[bool, bool] = (False, False),
+                         profile_log: Callable[[str], None] | None = None
+                         ) -> tuple[float, torch.Tensor]:
     """The engine's decode path: DecodeGraphs.run (host plan + input copy + replay), synchronised every step as the
     engine's sampler does, every sequence one token longer each step as in real decoding (the context grows by at
-    most warm-up + iters tokens); sequences own contiguous pages, one spare each for the growth."""
+    most warm-up + iters tokens); sequences own contiguous pages, one spare each for the growth. `compiled`: the
+    layers' regions, and the routed experts' glue, compiled by inductor inside the graphs; `profile_log`: also print one step's device hot spots.
+    Returns the step time and the first step's logits."""
     batch_size, context = len(kv_lens), kv_lens[0]
     pages = -(-context // page_size) + 1
-    graphs = DecodeGraphs(model, kv_cache, page_size, DecodeGraphConfig((batch_size,), pages), scratch_page)
+    graphs = DecodeGraphs(model, kv_cache, page_size, DecodeGraphConfig((batch_size,), pages, *compiled), scratch_page)
     page_ids = [list(range(i * pages, (i + 1) * pages)) for i in range(batch_size)]
     gen = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, model.cfg.vocab_size, (batch_size,), generator=gen).tolist()
@@ -158,9 +172,15 @@ def engine_graph_step_ms(model, kv_cache, scratch_page, query_lens, kv_lens, pag
         torch.cuda.synchronize()
         steps_taken[0] += 1
 
+    pos = context - 1
+    first_logits = graphs.run(input_ids, [pos] * batch_size, [ids[pos // page_size] * page_size + pos % page_size
+                                                              for ids in page_ids], [context] * batch_size, page_ids)
+    first_logits = first_logits.clone()
     ms = timed_ms(step, kv_cache.device, iters=iters)
+    if profile_log is not None:
+        profile_step(step, profile_log)
     del graphs
-    return ms
+    return ms, first_logits
 
 
 def profile_step(step: Callable[[], object], log) -> None:
@@ -203,6 +223,9 @@ def main() -> None:
     parser.add_argument("--prefill", default="1024,4096,16384")
     parser.add_argument("--check-tokens", type=int, default=512, help="tokens per sequence (2 seqs) for the logits check")
     parser.add_argument("--no-graph", action="store_true")
+    parser.add_argument("--no-compile", action="store_true", help="skip the graphs with compiled layer regions")
+    parser.add_argument("--profile-graph", type=int, default=0, help="print the device hot spots of the engine's "
+                        "graph step (compiled regions) at this batch size, 4k context, and stop")
     parser.add_argument("--check-only", action="store_true", help="only the logits check")
     parser.add_argument("--profile-decode", type=int, default=0, help="print host/device hot spots of one eager "
                         "decode step at this batch size (4k context) after the logits check, then stop")
@@ -225,8 +248,8 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     prefills = [int(p) for p in args.prefill.split(",")]
-    if args.check_only or args.profile_decode:
-        batches, contexts, prefills = [max(args.profile_decode, 1)], [4096], [1]
+    if args.check_only or args.profile_decode or args.profile_graph:
+        batches, contexts, prefills = [max(args.profile_decode, args.profile_graph, 1)], [4096], [1]
     on_cuda = device.type == "cuda"
 
     bytes_per_s = hbm_read_bytes_per_s(device, 4.0 if on_cuda else 0.25)
@@ -257,11 +280,20 @@ def main() -> None:
     reference = float32_reference_logits(model, ids, positions, batch, last_rows)
     logits_err = ((logits - reference).norm() / reference.norm()).item()
     log(f"logits rel err vs float32: {logits_err:.2e} (nan: {bool(torch.isnan(logits).any())})")
+    if on_cuda and not args.no_compile:  # the same prefill with the layers' regions compiled (expanded form)
+        with torch.inference_mode():
+            compiled = model.compute_logits(model(ids, positions, kv_cache, batch, regions=compiled_regions())[last_rows])
+        log(f"logits rel err vs float32, compiled regions: {((compiled - reference).norm() / reference.norm()).item():.2e}")
 
     if args.check_only:
         return
     if args.profile_decode:
         profile_decode_step(model, kv_cache, args.profile_decode, 4096, args.page_size, log)
+        return
+    if args.profile_graph:
+        lens = [4096] * args.profile_graph
+        engine_graph_step_ms(model, kv_cache, scratch_page, [1] * args.profile_graph, lens, args.page_size,
+                             compiled=(not args.no_compile,) * 2, profile_log=log)
         return
 
     prefill_rows = []
@@ -288,16 +320,19 @@ def main() -> None:
     for context in contexts:
         for batch_size in batches:
             row = decode_row(model, kv_cache, scratch_page, batch_size, context, args.page_size, bytes_per_s,
-                             on_cuda and not args.no_graph, log)
+                             on_cuda and not args.no_graph, not args.no_compile, log)
             decode_rows.append(row)
             log(f"decode {row}")
 
     log("")
-    log(f"| decode batch | context | bytes read (GB) | roofline (ms) | eager (ms) | engine CUDA graph (ms) | roofline/best |")
-    log("|---|---|---|---|---|---|---|")
+    log("| decode batch | context | bytes read (GB) | roofline (ms) | eager (ms) | engine CUDA graph (ms) | "
+        "graph, layer regions compiled (ms) | graph, regions + experts compiled (ms) | compiled vs graph logits | "
+        "roofline/best |")
+    log("|---|---|---|---|---|---|---|---|---|---|")
     for r in decode_rows:
         log(f"| {r['batch']} | {r['context']} | {r['gb']:.1f} | {r['roofline_ms']:.2f} | {r['eager_ms']:.2f} | "
-            f"{r['graph_ms']:.2f} | {r['ratio']:.0%} |")
+            f"{r['graph_ms']:.2f} | {r['regions_ms']:.2f} | {r['compiled_ms']:.2f} | {r['logits_diff']:.1e} | "
+            f"{r['ratio']:.0%} |")
     log("")
     log("| prefill tokens | time (ms) | tokens/s | fraction of bf16 matmul peak | same, absorbed-form attention FLOPs |")
     log("|---|---|---|---|---|")

@@ -133,7 +133,8 @@ class Engine:
             exchange = model.backends.moe if isinstance(model.backends.moe, ExpertParallelMoE) else None
             # Under expert parallelism a graph holds the fixed-capacity exchange; with split sizes nothing can.
             use_graphs = cfg.cuda_graphs and (exchange is None or cfg.expert_exchange != "splits")
-            graphs = decode_graph_config(use_graphs, model, cfg.max_num_seqs, self.max_model_len, cfg.page_size)
+            graphs = decode_graph_config(use_graphs, model, cfg.max_num_seqs, self.max_model_len, cfg.page_size,
+                                         cfg.compile_decode)
             # The exchange the ranks agree on before each step: none where every step exchanges split sizes.
             fixed = cfg.expert_exchange == "fixed" or graphs is not None
             self.fixed_exchange = exchange if fixed else None

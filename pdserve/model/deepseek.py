@@ -5,6 +5,9 @@ Parameter names follow the Hugging Face checkpoints, except routed experts, whic
 the linears an FP8 checkpoint ships in FP8 stay FP8 (pdserve.model.fp8_modules), each with its `*_scale_inv` grid.
 """
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,6 +19,7 @@ from pdserve.ops.attention import AttentionBackend, AttentionBatch, gather_kv, w
 from pdserve.ops.expert_load import ExpertLoad
 from pdserve.ops.moe import ExpertRange, MoEBackend
 from pdserve.ops.select import Backends
+from pdserve.ops.token_dynamic import compile_token_dynamic
 
 
 class RMSNorm(nn.Module):
@@ -56,10 +60,9 @@ class MLAttention(nn.Module):
         self.kv_b_proj = _linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
         self.o_proj = _linear(heads * cfg.v_head_dim, cfg.hidden_size, fp8_block)
 
-    def forward(self, x, rotations, rope: RotaryEmbedding, kv_cache, batch: AttentionBatch, backend: AttentionBackend,
-                expanded: bool = False):
-        """`expanded`: attend with per-head keys and values expanded from the latents (see pdserve.ops.attention);
-        otherwise in the weight-absorbed form over the latents themselves. Both write the new latents to the cache."""
+    def project(self, x, rotations, rope: RotaryEmbedding, absorb: bool):
+        """Queries (nope part, absorbed into the latent space when `absorb`; rope part) and the new tokens' latents
+        and rope keys, all rotated: what either attention form starts from."""
         cfg = self.cfg
         heads, nope, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
         if cfg.q_lora_rank is None:
@@ -72,17 +75,27 @@ class MLAttention(nn.Module):
         latent = self.kv_a_layernorm(latent)
         q_pe = rope.apply(q_pe, rotations)
         k_pe = rope.apply(k_pe, rotations)
-        if expanded:
-            out = self._attend_expanded(q_nope, q_pe, latent, k_pe, kv_cache, batch, backend)
-        else:
-            # Absorb W_UK into the query and W_UV into the output so attention works on latents only.
-            w_kv_b = self.kv_b_proj.weight.view(heads, nope + cfg.v_head_dim, rank)
-            q_latent = torch.einsum("thd,hdr->thr", q_nope, w_kv_b[:, :nope])
-            out_latent = backend.forward(q_latent, q_pe, latent, k_pe, kv_cache, batch, cfg.softmax_scale)
-            out = torch.einsum("thr,hvr->thv", out_latent, w_kv_b[:, nope:])
-        return self.o_proj(out.reshape(x.shape[0], heads * cfg.v_head_dim))
+        if absorb:  # W_UK folded into the query, so attention works on latents only
+            q_nope = torch.einsum("thd,hdr->thr", q_nope, self._kv_b_heads()[:, :nope])
+        return q_nope, q_pe, latent, k_pe
 
-    def _attend_expanded(self, q_nope, q_pe, latent, k_pe, kv_cache, batch: AttentionBatch, backend: AttentionBackend):
+    def output(self, heads_out: torch.Tensor, latent_out: bool) -> torch.Tensor:
+        """o_proj of the attention output [T, H, v_dim], or of its latent form [T, H, kv_lora_rank] with W_UV
+        applied first (the absorbed form)."""
+        cfg = self.cfg
+        if latent_out:
+            heads_out = torch.einsum("thr,hvr->thv", heads_out, self._kv_b_heads()[:, cfg.qk_nope_head_dim:])
+        return self.o_proj(heads_out.reshape(heads_out.shape[0], cfg.num_attention_heads * cfg.v_head_dim))
+
+    def _kv_b_heads(self) -> torch.Tensor:
+        cfg = self.cfg
+        return self.kv_b_proj.weight.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim,
+                                          cfg.kv_lora_rank)
+
+    def attend_expanded(self, q_nope, q_pe, latent, k_pe, kv_cache, batch: AttentionBatch,
+                        backend: AttentionBackend) -> torch.Tensor:
+        """Attention with per-head keys and values expanded from the latents (see pdserve.ops.attention); writes the
+        new latents to the cache, as the absorbed backends do. Returns [T, H, v_dim]."""
         cfg = self.cfg
         heads, nope, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
         write_kv(kv_cache, latent, k_pe, batch.slot_mapping)
@@ -187,22 +200,23 @@ class MoE(nn.Module):
             if cfg.n_shared_experts else None
         )
 
-    def forward(self, x: torch.Tensor, backend: MoEBackend, load: ExpertLoad | None) -> torch.Tensor:
-        topk_ids, topk_weights = self.gate(x)
+    def routed(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, backend: MoEBackend,
+               load: ExpertLoad | None) -> torch.Tensor:
+        """The routed experts' weighted sum for each token, by the backend's kernels (the gate has chosen them)."""
         if load is not None:
             load.record(self.layer_idx, topk_ids)
-        routed = self.experts
-        w13, w2 = routed.weights()
-        out = backend.forward(x, topk_ids, topk_weights, w13, w2, routed.experts.first)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        w13, w2 = self.experts.weights()
+        return backend.forward(x, topk_ids, topk_weights, w13, w2, self.experts.experts.first)
+
+    def combine(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        return routed + self.shared_experts(x) if self.shared_experts is not None else routed
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, experts: ExpertRange,
                  fp8_block: tuple[int, int] | None = None):
         super().__init__()
+        self.cfg = cfg
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLAttention(cfg, fp8_block)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -210,10 +224,52 @@ class DecoderLayer(nn.Module):
         self.mlp = (MoE(cfg, layer_idx, experts, fp8_block) if self.is_moe
                     else DenseMLP(cfg.hidden_size, cfg.intermediate_size, fp8_block))
 
-    def forward(self, x, rotations, rope, kv_cache, batch: AttentionBatch, backends: Backends, expanded: bool):
-        x = x + self.self_attn(self.input_layernorm(x), rotations, rope, kv_cache, batch, backends.attention, expanded)
-        h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, backends.moe, backends.expert_load) if self.is_moe else self.mlp(h))
+    def forward(self, x, rotations, rope, kv_cache, batch: AttentionBatch, backends: Backends, expanded: bool,
+                regions: "LayerRegions | None" = None):
+        """The layer as three regions of plain tensor work around the two calls into backends (attention, routed
+        experts); `regions` runs them compiled (see LayerRegions), eagerly by default."""
+        regions = regions or EAGER_REGIONS
+        q, q_pe, latent, k_pe = regions.attention_inputs(self, x, rotations, rope, not expanded)
+        if expanded:
+            heads_out = self.self_attn.attend_expanded(q, q_pe, latent, k_pe, kv_cache, batch, backends.attention)
+        else:
+            heads_out = backends.attention.forward(q, q_pe, latent, k_pe, kv_cache, batch, self.cfg.softmax_scale)
+        x, h, topk_ids, topk_weights = regions.attention_output(self, x, heads_out, not expanded)
+        routed = self.mlp.routed(h, topk_ids, topk_weights, backends.moe, backends.expert_load) if self.is_moe else None
+        return regions.mlp_output(self, x, h, routed)
+
+
+def attention_inputs(layer: DecoderLayer, x, rotations, rope: RotaryEmbedding, absorb: bool):
+    return layer.self_attn.project(layer.input_layernorm(x), rotations, rope, absorb)
+
+
+def attention_output(layer: DecoderLayer, x, heads_out, latent_out: bool):
+    """Residual after attention, the MLP's normalised input, and (MoE layers) each token's experts and weights."""
+    x = x + layer.self_attn.output(heads_out, latent_out)
+    h = layer.post_attention_layernorm(x)
+    return (x, h, *layer.mlp.gate(h)) if layer.is_moe else (x, h, None, None)
+
+
+def mlp_output(layer: DecoderLayer, x, h, routed: torch.Tensor | None):
+    return x + (layer.mlp.combine(h, routed) if layer.is_moe else layer.mlp(h))
+
+
+@dataclass(frozen=True)
+class LayerRegions:
+    """How a decoder layer runs its tensor work between the backends' kernels: eagerly, op by op, or each region
+    compiled by inductor into a few fused kernels (norms, RoPE, residuals, routing softmax and top-k around the
+    GEMMs). One compiled region serves every layer and every batch size: the layer's weights are its inputs."""
+
+    attention_inputs: Callable
+    attention_output: Callable
+    mlp_output: Callable
+
+
+EAGER_REGIONS = LayerRegions(attention_inputs, attention_output, mlp_output)
+
+
+def compiled_regions(backend: str | Callable = "inductor") -> LayerRegions:
+    return LayerRegions(*(compile_token_dynamic(fn, backend) for fn in (attention_inputs, attention_output, mlp_output)))
 
 
 class DeepseekModel(nn.Module):
@@ -240,9 +296,10 @@ class DeepseekForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(self.cfg.rope, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, batch: AttentionBatch,
-                backends: Backends | None = None):
+                backends: Backends | None = None, regions: LayerRegions | None = None):
         """input_ids/positions [T]; kv_cache [layers, pages, page_size, kv_dim]. Returns final hidden states [T, D].
-        `backends` replaces the model's own for this call (CUDA graphs capture with a fixed-buffer attention)."""
+        `backends` replaces the model's own for this call (CUDA graphs capture with a fixed-buffer attention);
+        `regions`: how the layers run their own tensor work (eagerly by default)."""
         assert self.rope is not None, "call init_rope() after moving the model to its device"
         backends = backends or self.backends
         rotations = self.rope.rotations(positions)
@@ -250,7 +307,7 @@ class DeepseekForCausalLM(nn.Module):
                                                                                            self.cfg.v_head_dim)
         x = self.model.embed_tokens(input_ids)
         for layer_idx, layer in enumerate(self.model.layers):
-            x = layer(x, rotations, self.rope, kv_cache[layer_idx], batch, backends, expanded)
+            x = layer(x, rotations, self.rope, kv_cache[layer_idx], batch, backends, expanded, regions)
         return self.model.norm(x)
 
     def routed_expert_bytes(self) -> int:

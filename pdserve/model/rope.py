@@ -36,20 +36,23 @@ class RotaryEmbedding:
         self.scale = cfg.attention_factor
 
     def rotations(self, positions: torch.Tensor) -> torch.Tensor:
-        """e^(i * position * freq), already multiplied by YaRN's attention factor: [T, dim/2] complex64. Rotating a
-        pair of dims is one complex multiply, a single kernel on the GPU where cos/sin arithmetic takes eight."""
+        """cos and sin of position * freq, already multiplied by YaRN's attention factor: [T, 2, dim/2] float32.
+        Real arithmetic, not complex: the compiled decode regions fuse it into the projections' epilogue (inductor
+        generates no code for complex operators)."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        return torch.polar(torch.full_like(freqs, self.scale), freqs)
+        return torch.stack((freqs.cos(), freqs.sin()), dim=1) * self.scale
 
     def apply(self, x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
-        """Rotate x [T, ..., dim] in float32; rotations [T, dim/2] broadcast over the middle dims."""
-        rotations = rotations.view((rotations.shape[0],) + (1,) * (x.dim() - 2) + (rotations.shape[1],))
+        """Rotate x [T, ..., dim] in float32; rotations [T, 2, dim/2] broadcast over the middle dims. A pair (a, b)
+        becomes (a cos - b sin, a sin + b cos): adjacent dims when interleaved, else the two halves."""
+        shape = (rotations.shape[0],) + (1,) * (x.dim() - 2) + (rotations.shape[2],)
+        cos, sin = rotations[:, 0].view(shape), rotations[:, 1].view(shape)
         xf = x.to(torch.float32)
         if self.cfg.interleave:
-            pairs = torch.view_as_complex(xf.unflatten(-1, (-1, 2)).contiguous())
-            out = torch.view_as_real(pairs * rotations).flatten(-2)
+            a, b = xf[..., 0::2], xf[..., 1::2]
+            out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
         else:
             half = xf.shape[-1] // 2
-            rotated = torch.complex(xf[..., :half], xf[..., half:]) * rotations
-            out = torch.cat((rotated.real, rotated.imag), dim=-1)
+            a, b = xf[..., :half], xf[..., half:]
+            out = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
         return out.to(x.dtype)

@@ -8,11 +8,15 @@ projection is linear, so this equals scaling its output), which leaves a plain s
 combine.
 """
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from pdserve.ops.block_fp8 import BlockFP8Weight
 from pdserve.ops.fp8_gemm import block_fp8_grouped_linear
+from pdserve.ops.token_dynamic import compile_token_dynamic
 
 
 def weighted_silu_and_mul(gate_up: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -44,7 +48,9 @@ class GroupedMoE:
         boundaries = torch.arange(1, num_local + 1, device=x.device, dtype=sorted_ids.dtype)
         group_ends = torch.searchsorted(sorted_ids, boundaries, right=False).to(torch.int32)
         gate_up = grouped_linear(x, w13, group_ends, row_index=order // top_k)
-        activation = fused_weighted_silu_and_mul if x.is_cuda else weighted_silu_and_mul
+        # Inside a compiled region the plain function fuses with its neighbours anyway.
+        fused = x.is_cuda and not torch.compiler.is_compiling()
+        activation = fused_weighted_silu_and_mul if fused else weighted_silu_and_mul
         activations = activation(gate_up, weights[order])
         down = grouped_linear(activations, w2, group_ends)
         # Unsort with a gather (the inverse permutation), then sum each token's k slots (float32 accumulation,
@@ -52,6 +58,18 @@ class GroupedMoE:
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         return down[inverse].view(num_tokens, top_k, -1).sum(dim=1)
+
+
+@dataclass(frozen=True)
+class CompiledGroupedMoE:
+    """GroupedMoE compiled whole by inductor for the decode graphs: the glue around its two grouped GEMMs (local ids,
+    sort, group boundaries, row gathers, SiLU, the slot sum), ~14 small kernels a layer eagerly, fuses into a few."""
+
+    forward: Callable
+
+    @classmethod
+    def build(cls, backend: str | Callable = "inductor") -> "CompiledGroupedMoE":
+        return cls(compile_token_dynamic(GroupedMoE().forward, backend))
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor | BlockFP8Weight, group_ends: torch.Tensor,

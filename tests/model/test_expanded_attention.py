@@ -32,14 +32,14 @@ def test_expanded_attention_equals_absorbed_with_and_without_cached_prefixes(tin
     cfg = ModelConfig.from_dir(tiny_v2)
     backends = select_backends("torch", "torch", torch.device("cpu"), torch.float32)
     model = init_random_weights(build_model(cfg, backends, torch.device("cpu"), torch.float32), seed=3)
-    attn = model.model.layers[0].self_attn
+    layer = model.model.layers[0]
     for query_lens, cached_lens in (([5, 9], [0, 0]), ([5, 1, 12], [7, 30, 3])):
         x, positions, kv_cache, batch = _step(cfg, query_lens, cached_lens)
         rotations = model.rope.rotations(positions)
         absorbed_cache, expanded_cache = kv_cache.clone(), kv_cache.clone()
         with torch.inference_mode():
-            absorbed = attn(x, rotations, model.rope, absorbed_cache, batch, backends.attention, expanded=False)
-            expanded = attn(x, rotations, model.rope, expanded_cache, batch, backends.attention, expanded=True)
+            absorbed = layer(x, rotations, model.rope, absorbed_cache, batch, backends, expanded=False)
+            expanded = layer(x, rotations, model.rope, expanded_cache, batch, backends, expanded=True)
         assert torch.equal(absorbed_cache, expanded_cache), "both forms write the same latents to the same slots"
         assert not torch.equal(kv_cache, expanded_cache)
         torch.testing.assert_close(expanded, absorbed, rtol=1e-5, atol=1e-5)

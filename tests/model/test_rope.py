@@ -1,4 +1,4 @@
-"""Rotary embedding as complex multiplies against the written-out cos/sin rotation, in both pair layouts."""
+"""Rotary embedding in float32 against the cos/sin rotation in float64, in both pair layouts."""
 
 import pytest
 import torch
@@ -20,7 +20,7 @@ def written_out(x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
 
 
 @pytest.mark.parametrize("interleave", [True, False])
-def test_complex_rotation_equals_cos_sin_formula(interleave):
+def test_rotation_equals_the_float64_formula(interleave):
     cfg = RopeConfig(theta=10000.0, dim=64, kind="yarn", interleave=interleave, factor=40.0,
                      original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
                      mscale_all_dim=0.707)

@@ -3,7 +3,8 @@ import torch
 
 from pdserve.ops.block_fp8 import BlockFP8Weight, quantize_block_fp8
 from pdserve.ops.moe import TorchMoE
-from pdserve.ops.moe_grouped import GroupedMoE
+from pdserve.ops.moe_grouped import CompiledGroupedMoE, GroupedMoE
+from tests.counting_backend import CountingBackend
 
 
 def random_moe_inputs(device, num_tokens=97, hidden=128, inter=64, experts=16, top_k=4, extra_ids=0, seed=0):
@@ -36,6 +37,19 @@ def test_grouped_moe_matches_torch_reference_on_cpu():
 
 def test_grouped_moe_drops_slots_routed_to_other_ranks():
     check_matches_reference("cpu", first_expert=8, extra_ids=8)
+
+
+def test_compiled_grouped_moe_traces_whole_once_for_every_batch_size_and_computes_the_same():
+    torch._dynamo.reset()
+    counting = CountingBackend()
+    compiled = CompiledGroupedMoE.build(counting)
+    for seed, num_tokens in enumerate((2, 7, 33)):
+        x, ids, weights, w13, w2 = random_moe_inputs("cpu", num_tokens=num_tokens, seed=seed)
+        w13, w2 = torch.nn.Parameter(w13, requires_grad=False), torch.nn.Parameter(w2, requires_grad=False)
+        with torch.inference_mode():
+            torch.testing.assert_close(compiled.forward(x, ids, weights, w13, w2, 0),
+                                       GroupedMoE().forward(x, ids, weights, w13, w2, 0))
+    assert counting.graphs == 1
 
 
 def test_grouped_moe_handles_experts_without_tokens():
