@@ -11,6 +11,7 @@ bandwidth), prefill tokens/s next to the bf16 matmul peak, and full-model bf16 l
 import argparse
 import json
 import time
+from dataclasses import replace
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,7 +20,8 @@ import torch
 from benchmarks.model_steps import contiguous_batch, float32_reference_logits, step_inputs
 from pdserve.engine.cuda_graphs import DecodeGraphConfig, DecodeGraphs
 from pdserve.model.config import ModelConfig
-from pdserve.model.deepseek import DeepseekForCausalLM, compiled_regions
+from pdserve.model.compiled_layers import CompiledLayers, compile_layers
+from pdserve.model.deepseek import DeepseekForCausalLM
 from pdserve.model.loader import build_model
 from pdserve.model.random_init import init_random_weights
 from pdserve.ops.attention import AttentionBatch
@@ -158,7 +160,8 @@ def engine_graph_step_ms(model, kv_cache, scratch_page, query_lens, kv_lens, pag
     Returns the step time and the first step's logits."""
     batch_size, context = len(kv_lens), kv_lens[0]
     pages = -(-context // page_size) + 1
-    graphs = DecodeGraphs(model, kv_cache, page_size, DecodeGraphConfig((batch_size,), pages, *compiled), scratch_page)
+    graphs = DecodeGraphs(model, kv_cache, page_size, DecodeGraphConfig((batch_size,), pages), scratch_page,
+                          compiled=_compiled(model, *compiled))
     page_ids = [list(range(i * pages, (i + 1) * pages)) for i in range(batch_size)]
     gen = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, model.cfg.vocab_size, (batch_size,), generator=gen).tolist()
@@ -181,6 +184,13 @@ def engine_graph_step_ms(model, kv_cache, scratch_page, query_lens, kv_lens, pag
         profile_step(step, profile_log)
     del graphs
     return ms, first_logits
+
+
+def _compiled(model, regions: bool, experts: bool) -> CompiledLayers | None:
+    if not regions:
+        return None
+    compiled = compile_layers(model)
+    return compiled if experts else replace(compiled, moe=model.backends.moe)
 
 
 def profile_step(step: Callable[[], object], log) -> None:
@@ -282,7 +292,10 @@ def main() -> None:
     log(f"logits rel err vs float32: {logits_err:.2e} (nan: {bool(torch.isnan(logits).any())})")
     if on_cuda and not args.no_compile:  # the same prefill with the layers' regions compiled (expanded form)
         with torch.inference_mode():
-            compiled = model.compute_logits(model(ids, positions, kv_cache, batch, regions=compiled_regions())[last_rows])
+            layers = compile_layers(model)
+            backends = replace(model.backends, moe=layers.moe)
+            hidden = model(ids, positions, kv_cache, batch, backends, layers.regions)
+            compiled = model.compute_logits(hidden[last_rows])
         log(f"logits rel err vs float32, compiled regions: {((compiled - reference).norm() / reference.norm()).item():.2e}")
 
     if args.check_only:

@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--overlap-scheduling", choices=("auto", "on", "off"), default="auto")
+    parser.add_argument("--compile-layers", choices=("auto", "on", "off"), default="auto")
     args = parser.parse_args()
 
     model_dir = Path(tempfile.mkdtemp())
@@ -45,7 +46,7 @@ def main() -> None:
         model=str(model_dir), load_format="random", device=args.device, dtype=args.dtype, page_size=args.page_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.prompt + args.output, enable_prefix_cache=False, cuda_graphs=not args.no_cuda_graphs,
-        progress=False, overlap_scheduling=args.overlap_scheduling,
+        progress=False, overlap_scheduling=args.overlap_scheduling, compile_layers=args.compile_layers,
     ))
     vocab = engine.model_config.vocab_size
     sampling = SamplingParams(max_tokens=args.output, temperature=0.0, ignore_eos=True)

@@ -126,7 +126,7 @@ def expert_rows(tokens: int, num_experts: int, device: torch.device) -> tuple[to
 
 
 def grouped_row(name: str, shape: tuple[int, int, int], tokens: int, device: torch.device) -> Row:
-    from pdserve.ops.fp8_triton import fp8_gemm, quantize_rows
+    from pdserve.ops.gemm_triton import fp8_gemm, quantize_rows
 
     weight = random_fp8(shape, device, seed=tokens)
     bf16_weight = weight.dequantize(torch.bfloat16).transpose(1, 2)

@@ -34,10 +34,11 @@ class EngineConfig:
                 "CUDA in bfloat16 with Triton installed, dequantize elsewhere (the CPU's reference would dequantize "
                 "every weight on every call)")
     cuda_graphs: bool = setting(True, "decode under CUDA graphs where it can run (flashinfer attention; not on CPU)")
-    compile_decode: Literal["auto", "on", "off"] = setting(
+    compile_layers: Literal["auto", "on", "off"] = setting(
         "auto", "compile each decoder layer's tensor work between the attention and expert kernels (norms, RoPE, "
-                "residuals, routing) with torch.compile into fused kernels inside the decode CUDA graphs; costs "
-                "tens of seconds at start. auto: on where decode graphs run, unless FP8 linears are kept")
+                "residuals, routing, the grouped experts' sort and gathers) with torch.compile into fused kernels, "
+                "for decode graphs and prefill steps; compiled at start-up (tens of seconds). auto: on for bf16 on "
+                "CUDA unless FP8 linears are kept")
     expert_exchange: Literal["auto", "fixed", "splits"] = setting(
         "auto", "expert parallelism's exchange in decode steps. fixed: C rows per peer, no host wait, so decode runs "
                 "under CUDA graphs (a step where some rank's pairs overflow C runs again with split sizes); splits: "
@@ -74,7 +75,7 @@ class EngineConfig:
             (self.attention_backend in ("auto", "torch", "flashinfer"), "attention_backend: auto, torch or flashinfer"),
             (self.moe_backend in ("auto", "torch", "grouped"), "moe_backend: auto, torch or grouped"),
             (self.expert_exchange in ("auto", "fixed", "splits"), "expert_exchange: auto, fixed or splits"),
-            (self.compile_decode in ("auto", "on", "off"), "compile_decode: auto, on or off"),
+            (self.compile_layers in ("auto", "on", "off"), "compile_layers: auto, on or off"),
             (self.expert_capacity_factor > 0, "expert_capacity_factor must be > 0"),
             (self.fp8_weights in ("auto", "keep", "dequantize"), "fp8_weights: auto, keep or dequantize"),
             (self.load_format in ("safetensors", "random"), "load_format: safetensors or random"),

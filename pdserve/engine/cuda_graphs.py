@@ -20,12 +20,11 @@ import torch
 
 from pdserve.cache.page_allocator import pages_for
 from pdserve.engine.in_flight import CarriedTokens
-from pdserve.model.deepseek import DeepseekForCausalLM, compiled_regions
-from pdserve.model.fp8_modules import FP8Linear
+from pdserve.model.compiled_layers import CompiledLayers
+from pdserve.model.deepseek import DeepseekForCausalLM
 from pdserve.ops.attention import AttentionBatch
 from pdserve.ops.attention_flashinfer import WORKSPACE_BYTES, FlashInferMLA, FlashInferMLAGraphSlot
 from pdserve.ops.moe_ep import ExpertParallelMoE
-from pdserve.ops.moe_grouped import CompiledGroupedMoE, GroupedMoE
 from pdserve.ops.select import Backends
 
 log = logging.getLogger(__name__)
@@ -37,8 +36,6 @@ CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 class DecodeGraphConfig:
     batch_sizes: tuple[int, ...]  # captured sizes, ascending; larger decode batches run eagerly
     max_pages_per_seq: int
-    compiled_regions: bool = False  # the layers' tensor work compiled by inductor into fused kernels, then captured
-    compiled_moe: bool = False  # the grouped routed experts' glue too (where experts run whole on this rank)
 
 
 def capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -48,19 +45,16 @@ def capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
 
 
 def decode_graph_config(enabled: bool, model: DeepseekForCausalLM, max_num_seqs: int, max_model_len: int,
-                        page_size: int, compile_regions: str = "off") -> DecodeGraphConfig | None:
+                        page_size: int) -> DecodeGraphConfig | None:
     """None where graphs cannot run: turned off, on the CPU, or attention not on flashinfer (the torch reference
-    loops over sequences on the host). `compile_regions`: on | off | auto (on unless the layers keep FP8 linears,
-    whose GEMMs the compiled regions have not been measured with)."""
+    loops over sequences on the host)."""
     if not enabled:
         return None
     if not isinstance(model.backends.attention, FlashInferMLA):
         if next(model.parameters()).device.type == "cuda":
             log.info("decode runs eagerly: CUDA graphs need the flashinfer attention backend (bfloat16)")
         return None
-    has_fp8 = any(isinstance(module, FP8Linear) for module in model.modules())
-    compiled = compile_regions == "on" or (compile_regions == "auto" and not has_fp8)
-    return DecodeGraphConfig(capture_sizes(max_num_seqs), pages_for(max_model_len, page_size), compiled, compiled)
+    return DecodeGraphConfig(capture_sizes(max_num_seqs), pages_for(max_model_len, page_size))
 
 
 @dataclass
@@ -80,18 +74,15 @@ class _PlannedStep:
 
 class DecodeGraphs:
     def __init__(self, model: DeepseekForCausalLM, kv_cache: torch.Tensor, page_size: int, cfg: DecodeGraphConfig,
-                 scratch_page: int, exchange: ExpertParallelMoE | None = None):
+                 scratch_page: int, exchange: ExpertParallelMoE | None = None, compiled: CompiledLayers | None = None):
         """`exchange`: under expert parallelism, each size's graph holds the exchange at that size's fixed capacity
-        (every rank captures the same sizes in the same order, as their collectives require)."""
+        (every rank captures the same sizes in the same order, as their collectives require). `compiled`: the
+        layers' compiled regions (and routed experts), compiled on the first capture's warm-up and captured."""
         self.model, self.kv_cache, self.page_size = model, kv_cache, page_size
         self.exchange = exchange
         self.sizes = cfg.batch_sizes
         self.scratch_page = scratch_page
-        # Compiled on the first capture's warm-up (once for every layer and size but 1: tens of seconds). The routed
-        # experts only where they run whole on this rank (an exchange between ranks is not compiled).
-        self.regions = compiled_regions() if cfg.compiled_regions else None
-        compile_moe = cfg.compiled_moe and isinstance(model.backends.moe, GroupedMoE)
-        self._moe = CompiledGroupedMoE.build() if compile_moe else model.backends.moe
+        self.compiled = compiled
         device = kv_cache.device
         # Rows: token ids, positions, KV slots. One copy fills them; every graph reads a prefix of each row.
         self._inputs = torch.zeros(3, self.sizes[-1], dtype=torch.int64, device=device)
@@ -107,8 +98,8 @@ class DecodeGraphs:
         self.max_pages_per_seq = cfg.max_pages_per_seq
         self._last_replayed: tuple[int, int] | None = None  # (size, index) of the last replay
         self._planned_ahead: _PlannedStep | None = None
-        log.info("captured decode CUDA graphs for batch sizes %s (compiled regions: %s) in %.1f s", list(self.sizes),
-                 cfg.compiled_regions, time.perf_counter() - started)
+        log.info("captured decode CUDA graphs for batch sizes %s (compiled layers: %s) in %.1f s", list(self.sizes),
+                 compiled is not None, time.perf_counter() - started)
 
     @property
     def max_batch_size(self) -> int:
@@ -126,11 +117,13 @@ class DecodeGraphs:
         batch = AttentionBatch(query_lens=[1] * size, kv_lens=[1] * size, slot_mapping=slots, page_size=self.page_size,
                                page_table=torch.zeros(size, 1, dtype=torch.int64, device=ids.device))  # unused
         load = self.model.backends.expert_load
-        backends = Backends(attention=attention, moe=self._moe,
+        compiled = self.compiled
+        backends = Backends(attention=attention, moe=compiled.moe if compiled else self.model.backends.moe,
                             expert_load=load.masked(self._pair_valid) if load is not None else None)
 
         def step() -> torch.Tensor:
-            return self.model.compute_logits(self.model(ids, positions, self.kv_cache, batch, backends, self.regions))
+            regions = compiled.regions if compiled else None
+            return self.model.compute_logits(self.model(ids, positions, self.kv_cache, batch, backends, regions))
 
         if self.exchange is not None:
             self.exchange.fixed_tokens = size

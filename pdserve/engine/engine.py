@@ -19,6 +19,7 @@ from pdserve.cache.page_allocator import PageAllocator, pages_for
 from pdserve.cache.radix_cache import NullPrefixCache, RadixCache
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cuda_graphs import decode_graph_config
+from pdserve.model.compiled_layers import compile_layers, wants_compiled_layers
 from pdserve.engine.device_values import on_device
 from pdserve.engine.in_flight import InFlightStep
 from pdserve.engine.logits_processing import LogitsProcessing
@@ -133,13 +134,13 @@ class Engine:
             exchange = model.backends.moe if isinstance(model.backends.moe, ExpertParallelMoE) else None
             # Under expert parallelism a graph holds the fixed-capacity exchange; with split sizes nothing can.
             use_graphs = cfg.cuda_graphs and (exchange is None or cfg.expert_exchange != "splits")
-            graphs = decode_graph_config(use_graphs, model, cfg.max_num_seqs, self.max_model_len, cfg.page_size,
-                                         cfg.compile_decode)
+            graphs = decode_graph_config(use_graphs, model, cfg.max_num_seqs, self.max_model_len, cfg.page_size)
             # The exchange the ranks agree on before each step: none where every step exchanges split sizes.
             fixed = cfg.expert_exchange == "fixed" or graphs is not None
             self.fixed_exchange = exchange if fixed else None
+            compiled = compile_layers(model) if wants_compiled_layers(cfg.compile_layers, model) else None
             self.runner = ModelRunner(model, num_pages, cfg.page_size, self.device, self.dtype, graphs,
-                                      self.fixed_exchange)
+                                      self.fixed_exchange, compiled)
             self.expert_weight_bytes = model.routed_expert_bytes()
             load = model.backends.expert_load
             self._expert_counts = ExpertCountsReader(load) if load is not None else None

@@ -7,6 +7,7 @@ from pdserve.engine.device_values import on_device
 from pdserve.engine.in_flight import InFlightStep
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledSeq
+from pdserve.model.compiled_layers import CompiledLayers
 from pdserve.model.deepseek import DeepseekForCausalLM
 from pdserve.ops.attention import AttentionBatch
 from pdserve.ops.moe_ep import ExpertParallelMoE
@@ -15,10 +16,14 @@ from pdserve.ops.moe_ep import ExpertParallelMoE
 class ModelRunner:
     def __init__(self, model: DeepseekForCausalLM, num_pages: int, page_size: int, device: torch.device,
                  dtype: torch.dtype, graphs: DecodeGraphConfig | None = None,
-                 fixed_exchange: ExpertParallelMoE | None = None):
-        """`fixed_exchange`: the expert-parallel MoE backend, where decode steps use its fixed-capacity exchange."""
+                 fixed_exchange: ExpertParallelMoE | None = None, compiled: CompiledLayers | None = None):
+        """`fixed_exchange`: the expert-parallel MoE backend, where decode steps use its fixed-capacity exchange.
+        `compiled`: the layers' compiled regions, captured in the decode graphs. Eager steps (prefill chunks) stay
+        uncompiled: run compiled too, greedy tokens under overlapped scheduling with requests arriving mid-decode
+        differed from the synchronous run's on an H100 (docs/benchmarks.md)."""
         cfg = model.cfg
         self.model = model
+        self.compiled = compiled
         self.page_size = page_size
         self.device = device
         self.fixed_exchange = fixed_exchange
@@ -26,8 +31,8 @@ class ModelRunner:
         # With graphs, one extra page past the allocator's range takes the KV of padding rows.
         pool_pages = num_pages + (1 if graphs else 0)
         self.kv_cache = torch.zeros(cfg.num_hidden_layers, pool_pages, page_size, cfg.kv_dim, dtype=dtype, device=device)
-        self.decode_graphs = DecodeGraphs(model, self.kv_cache, page_size, graphs, num_pages, fixed_exchange) \
-            if graphs else None
+        self.decode_graphs = DecodeGraphs(model, self.kv_cache, page_size, graphs, num_pages, fixed_exchange,
+                                          compiled) if graphs else None
 
     def fixed_step_tokens(self, scheduled: list[ScheduledSeq]) -> int | None:
         """What this rank offers for a fixed-capacity exchange: its decode batch (0 when idle), or None where the step

@@ -19,7 +19,6 @@ from pdserve.ops.attention import AttentionBackend, AttentionBatch, gather_kv, w
 from pdserve.ops.expert_load import ExpertLoad
 from pdserve.ops.moe import ExpertRange, MoEBackend
 from pdserve.ops.select import Backends
-from pdserve.ops.token_dynamic import compile_token_dynamic
 
 
 class RMSNorm(nn.Module):
@@ -266,10 +265,6 @@ class LayerRegions:
 
 
 EAGER_REGIONS = LayerRegions(attention_inputs, attention_output, mlp_output)
-
-
-def compiled_regions(backend: str | Callable = "inductor") -> LayerRegions:
-    return LayerRegions(*(compile_token_dynamic(fn, backend) for fn in (attention_inputs, attention_output, mlp_output)))
 
 
 class DeepseekModel(nn.Module):

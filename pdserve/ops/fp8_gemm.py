@@ -5,7 +5,7 @@ the stored weights and correct on any device, but it rebuilds the full-precision
 (bf16 activations) quantizes the activations too, one float32 scale per token per 128 columns (the weight's K
 block), multiplies on FP8 tensor cores with both scales applied per K block, and writes bf16: cuBLAS blockwise
 scaling (`torch._scaled_mm`, 1x128 activations x 128x128 weights, SM90) where its layout rules hold, our Triton
-kernel (pdserve.ops.fp8_triton) for the other shapes and for the grouped form. Their difference from the reference
+kernel (pdserve.ops.gemm_triton) for the other shapes and for the grouped form. Their difference from the reference
 is the activations' FP8 rounding (e4m3: 3 mantissa bits, ~2-4% relative per product), not the weights'.
 """
 
@@ -68,7 +68,7 @@ def cublas_takes(weight: BlockFP8Weight, device: torch.device) -> bool:
 
 def block_fp8_linear_cublas(x: torch.Tensor, weight: BlockFP8Weight) -> torch.Tensor:
     """x [M, K] bf16 on an SM90 GPU, weight as cublas_takes() allows -> [M, N] bf16."""
-    from pdserve.ops.fp8_triton import quantize_rows
+    from pdserve.ops.gemm_triton import quantize_rows
 
     q, scales = quantize_rows(x, CUBLAS_BLOCK[1], pad_rows_to=CUBLAS_ROW_MULTIPLE)
     # Operand layouts _scaled_mm reads as DeepSeek scaling: activations row-major with [M, K/128] scales stored
@@ -80,7 +80,7 @@ def block_fp8_linear_cublas(x: torch.Tensor, weight: BlockFP8Weight) -> torch.Te
 
 def block_fp8_linear_triton(x: torch.Tensor, weight: BlockFP8Weight) -> torch.Tensor:
     """x [M, K] bf16 on CUDA -> [M, N] bf16, any shape and block size."""
-    from pdserve.ops.fp8_triton import fp8_gemm, quantize_rows
+    from pdserve.ops.gemm_triton import fp8_gemm, quantize_rows
 
     q, scales = quantize_rows(x, weight.block_size[1])
     return fp8_gemm(q, scales, weight, rows=x.shape[0])
@@ -93,7 +93,7 @@ def block_fp8_grouped_linear(x: torch.Tensor, weight: BlockFP8Weight, group_ends
     group_ends int32 on x's device. Rows past the last end are left unset (none are, the way GroupedMoE sorts)."""
     if not uses_fp8_kernels(x):
         return block_fp8_grouped_linear_reference(x, weight, group_ends, row_index)
-    from pdserve.ops.fp8_triton import fp8_gemm, quantize_rows
+    from pdserve.ops.gemm_triton import fp8_gemm, quantize_rows
 
     # Each token is quantized once, before its rows are gathered (one per routed slot) inside the GEMM.
     q, scales = quantize_rows(x, weight.block_size[1])

@@ -1,5 +1,6 @@
-"""Routed experts as two grouped GEMMs (`torch._grouped_mm` on bf16 weights, pdserve.ops.fp8_gemm's grouped FP8
-GEMM on block-FP8 ones): tokens sorted by expert, no host syncs.
+"""Routed experts as two grouped GEMMs (bf16 weights: pdserve.ops.gemm_triton's Triton kernel for decode-sized
+batches, `torch._grouped_mm` above; block-FP8 weights: pdserve.ops.fp8_gemm's grouped FP8 GEMM): tokens sorted by
+expert, no host syncs.
 
 Each (token, slot) pair becomes one row; rows are sorted by local expert so every expert's rows are contiguous,
 and the group boundaries come from a device-side search over the sorted ids, so the step never waits on the host
@@ -8,6 +9,7 @@ projection is linear, so this equals scaling its output), which leaves a plain s
 combine.
 """
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,6 +19,14 @@ import torch.nn.functional as F
 from pdserve.ops.block_fp8 import BlockFP8Weight
 from pdserve.ops.fp8_gemm import block_fp8_grouped_linear
 from pdserve.ops.token_dynamic import compile_token_dynamic
+
+# Decode-sized expert batches (up to this many routed rows per local expert on average) go to the Triton grouped
+# GEMM, which reads each chosen expert's weights once in small tiles; larger ones to torch._grouped_mm (cuBLAS).
+SMALL_GROUPED_ROWS_PER_EXPERT = 32
+if importlib.util.find_spec("triton") is not None and torch.cuda.is_available():
+    from pdserve.ops.gemm_triton import bf16_grouped_gemm_op
+else:
+    bf16_grouped_gemm_op = None
 
 
 def weighted_silu_and_mul(gate_up: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -77,5 +87,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor | BlockFP8Weight, group
     """Row i of the result: x[row_index[i]] (x[i] without an index) times the weight of the group holding row i."""
     if isinstance(weight, BlockFP8Weight):
         return block_fp8_grouped_linear(x, weight, group_ends, row_index)  # gathers the rows inside the GEMM
-    rows = x if row_index is None else x[row_index]
-    return torch._grouped_mm(rows, weight.transpose(1, 2), offs=group_ends)
+    rows = x.shape[0] if row_index is None else row_index.shape[0]
+    if x.is_cuda and bf16_grouped_gemm_op is not None and rows <= SMALL_GROUPED_ROWS_PER_EXPERT * weight.shape[0]:
+        return bf16_grouped_gemm_op(x, weight, group_ends, row_index)
+    gathered = x if row_index is None else x[row_index]
+    return torch._grouped_mm(gathered, weight.transpose(1, 2), offs=group_ends)

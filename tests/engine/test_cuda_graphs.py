@@ -37,19 +37,20 @@ def test_cpu_engine_captures_nothing_and_keeps_its_page_count(tiny_v2):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("compile_decode", ["off", "on"])
-def test_graph_decode_gives_the_eager_tokens(tiny_model_factory, compile_decode):
-    """Captured as they are, and with the layers' regions compiled into fused kernels by inductor."""
+@pytest.mark.parametrize("compile_layers", ["off", "on"])
+def test_graph_decode_gives_the_eager_tokens(tiny_model_factory, compile_layers):
+    """Captured as they are, and with the layers' regions compiled into fused kernels by inductor, against eager
+    steps of the uncompiled layers."""
     model = tiny_model_factory("v2", **FLASHINFER_SHAPE)
     prompts = prompts_of((3, 40, 77, 150, 201))
     # Different lengths: the batch shrinks 5 -> 1 and runs padded (5 -> 8, 3 -> 4) along the way.
     sampling = [greedy(n) for n in (6, 9, 12, 15, 18)]
     options = dict(progress=False, dtype="bfloat16", max_num_seqs=8, page_size=16, num_pages=128)
-    graphed = LLM(model, cuda_graphs=True, compile_decode=compile_decode, **options)
+    graphed = LLM(model, cuda_graphs=True, compile_layers=compile_layers, **options)
     assert graphed.engine.runner.decode_graphs is not None
-    assert (graphed.engine.runner.decode_graphs.regions is not None) == (compile_decode == "on")
+    assert (graphed.engine.runner.compiled is not None) == (compile_layers == "on")
     assert graphed.engine.runner.decode_graphs.sizes == (1, 2, 4, 8)
-    eager = LLM(model, cuda_graphs=False, **options)
+    eager = LLM(model, cuda_graphs=False, compile_layers="off", **options)
     assert eager.engine.runner.decode_graphs is None
     graph_tokens = [r.token_ids for r in graphed.generate(prompt_token_ids=prompts, sampling=sampling)]
     eager_tokens = [r.token_ids for r in eager.generate(prompt_token_ids=prompts, sampling=sampling)]

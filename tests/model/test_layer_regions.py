@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from pdserve.model.config import ModelConfig
-from pdserve.model.deepseek import compiled_regions, uses_expanded_attention
+from pdserve.model.compiled_layers import compile_layers
+from pdserve.model.deepseek import uses_expanded_attention
 from pdserve.model.loader import build_model
 from pdserve.model.random_init import init_random_weights
 from pdserve.ops.select import select_backends
@@ -23,7 +24,7 @@ def test_compiled_regions_compute_the_eager_layers_once_compiled_for_all_layers_
                                             torch.device("cpu"), torch.float32), seed=1)
     torch._dynamo.reset()
     counting = CountingBackend()
-    regions = compiled_regions(counting)
+    regions = compile_layers(model, counting).regions
     expanded = []
     for step, (query_lens, cached_lens) in enumerate((([1, 1], [9, 30]), ([1, 1, 1, 1, 1], [3, 8, 5, 17, 2]),
                                                       ([1] * 3, [4, 4, 40]), ([40, 1], [0, 8]))):

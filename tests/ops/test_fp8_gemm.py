@@ -91,7 +91,7 @@ def test_fp8_activation_rounding_is_what_the_kernel_bound_allows():
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_quantize_rows_matches_torch_block_quantization(device):
-    from pdserve.ops.fp8_triton import quantize_rows
+    from pdserve.ops.gemm_triton import quantize_rows
 
     x = random_activations(37, 300, device)  # partial last group, rows padded to 40
     q, scales = quantize_rows(x, 128, pad_rows_to=4)
@@ -115,7 +115,7 @@ def kernel_shapes(device: str) -> list[tuple[int, int]]:
 def kernel_inputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_rows() on CUDA; in the interpreter, torch's rounding laid out as the kernel's (the interpreter's FP8
     cast is wrong where rounding carries into the exponent: see the quantize test)."""
-    from pdserve.ops.fp8_triton import quantize_rows
+    from pdserve.ops.gemm_triton import quantize_rows
 
     if x.is_cuda:
         return quantize_rows(x, 128)
@@ -125,7 +125,7 @@ def kernel_inputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_triton_dense_gemm_matches_emulation_and_reference(device):
-    from pdserve.ops.fp8_triton import fp8_gemm
+    from pdserve.ops.gemm_triton import fp8_gemm
 
     for rows in (1, 16, 67) if device == "cpu" else (1, 64, 4096):
         for shape in kernel_shapes(device):
@@ -159,7 +159,7 @@ def test_cublas_dense_gemm_matches_emulation_and_reference(rows):
 def test_triton_grouped_gemm_matches_emulation_and_reference(device):
     """Routed experts at decode and prefill sizes (on the GPU: EP8's 32 local experts of V3, 8 slots per token;
     the decode case leaves most experts empty)."""
-    from pdserve.ops.fp8_triton import fp8_gemm
+    from pdserve.ops.gemm_triton import fp8_gemm
 
     if device == "cpu":
         cases = [(3, 2, (4, 200, 300)), (40, 2, (4, 200, 300))]

@@ -1,9 +1,10 @@
-"""Triton kernels for block-FP8 linears on CUDA: activation quantization in 1 x 128 groups, and one FP8 GEMM over
-groups of rows (a single group: a dense linear; one group per expert: routed experts over rows sorted by expert).
+"""Triton kernels on CUDA: activation quantization in 1 x 128 groups, and one GEMM over groups of rows (a single
+group: a dense linear; one group per expert: routed experts over rows sorted by expert), block-FP8 or bf16.
 
-The GEMM walks K one weight block at a time: each step is an FP8 tensor-core product of a [rows, 128] activation
-tile and a [128, cols] weight tile, accumulated in float32 after multiplying by the rows' activation scales and the
-columns' weight-block scales (the scales change along K, so they cannot wait for the epilogue).
+The GEMM walks K one block at a time: each step is a tensor-core product of a [rows, BLOCK_K] activation tile and a
+[BLOCK_K, cols] weight tile, accumulated in float32; in FP8 after multiplying by the rows' activation scales and the
+columns' weight-block scales (the scales change along K, so they cannot wait for the epilogue). The bf16 form serves
+decode-sized expert batches, a few rows per expert, where the GEMM is a read of the chosen experts' weights.
 """
 
 import torch
@@ -14,6 +15,7 @@ from pdserve.ops.block_fp8 import FP8_DTYPE, FP8_MAX, BlockFP8Weight
 
 QUANTIZE_ROWS_PER_PROGRAM = 32
 SWIZZLE_M = 8  # m-tiles walked down one column of n-tiles before moving right: neighbours share weight tiles in L2
+BF16_BLOCK_K = 64
 
 
 # Row counts change with every batch: `do_not_specialize` keeps Triton from compiling a variant per their divisibility.
@@ -53,12 +55,12 @@ def quantize_rows(x: torch.Tensor, group: int, pad_rows_to: int = 1) -> tuple[to
 
 
 @triton.jit(do_not_specialize=["total_rows", "m_tiles"])
-def _grouped_fp8_gemm_kernel(
+def _grouped_gemm_kernel(
     a_ptr, a_scale_ptr, row_index_ptr, w_ptr, w_scale_ptr, out_ptr, group_ends_ptr,
     total_rows, n, k, num_groups, m_tiles,
     a_row_stride, a_scale_group_stride, w_group_stride, w_row_stride, w_scale_group_stride, w_scale_row_stride,
     out_row_stride,
-    SINGLE_GROUP: tl.constexpr, GATHER: tl.constexpr, GROUPS_POW2: tl.constexpr,
+    SCALED: tl.constexpr, SINGLE_GROUP: tl.constexpr, GATHER: tl.constexpr, GROUPS_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WEIGHT_BLOCK_N: tl.constexpr,
     SWIZZLE: tl.constexpr,
 ):
@@ -112,9 +114,12 @@ def _grouped_fp8_gemm_kernel(
         k_ok = ks < k - kb * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        a_scale = tl.load(a_scale_ptrs + kb * a_scale_group_stride, mask=row_ok, other=0.0)
-        w_scale = tl.load(w_scale_ptrs + kb, mask=col_ok, other=0.0)
-        acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
+        if SCALED:
+            a_scale = tl.load(a_scale_ptrs + kb * a_scale_group_stride, mask=row_ok, other=0.0)
+            w_scale = tl.load(w_scale_ptrs + kb, mask=col_ok, other=0.0)
+            acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
+        else:
+            acc += tl.dot(a, w)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * out_row_stride + cols[None, :]
@@ -143,31 +148,67 @@ def fp8_gemm(q: torch.Tensor, scales: torch.Tensor, weight: BlockFP8Weight, rows
     Grouped: weight [groups, N, K], `group_ends` [groups] int32 cumulative row ends (rows sorted by group), output
     row i is activation row `row_index[i]` (or row i without an index) times weight[group of i]."""
     values, scale_inv = weight.values, weight.scale_inv
-    block_n, block_k = weight.block_size
+    block_k = weight.block_size[1]
     if values.stride(-1) != 1 or not scale_inv.is_contiguous():
         raise ValueError("FP8 weights must be contiguous along K, with a contiguous scale grid")
-    n, k = values.shape[-2:]
-    if q.shape[1] != k:
-        raise ValueError(f"activations have {q.shape[1]} columns, the weight takes {k}")
-    single = group_ends is None
-    num_groups = 1 if single else group_ends.numel()
-    out = torch.empty(rows, n, dtype=out_dtype, device=q.device)
-    if rows == 0:
-        return out
     if block_k & (block_k - 1):
         raise ValueError(f"the Triton FP8 GEMM takes K blocks of a power of two, got {block_k}")
+    return _grouped_gemm(q, values, rows, group_ends, row_index, out_dtype, block_k,
+                         (scales, scale_inv, weight.block_size[0]))
+
+
+def bf16_grouped_gemm(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor,
+                      row_index: torch.Tensor | None = None) -> torch.Tensor:
+    """out[i] = x[row_index[i]] (x[i] without an index) times weight[group of i]^T: x [M, K] bf16, weight [groups, N, K]
+    bf16 contiguous along K, `group_ends` [groups] int32 cumulative row ends (rows sorted by group)."""
+    if weight.stride(-1) != 1 or x.stride(-1) != 1:
+        raise ValueError("the bf16 grouped GEMM takes activations and weights contiguous along K")
+    rows = row_index.numel() if row_index is not None else x.shape[0]
+    return _grouped_gemm(x, weight, rows, group_ends, row_index, x.dtype, BF16_BLOCK_K, None)
+
+
+
+def _grouped_gemm(a: torch.Tensor, values: torch.Tensor, rows: int, group_ends: torch.Tensor | None,
+                  row_index: torch.Tensor | None, out_dtype: torch.dtype, block_k: int,
+                  fp8_scales: tuple[torch.Tensor, torch.Tensor, int] | None) -> torch.Tensor:
+    """The launch both forms share; `fp8_scales`: (activation scales, weight scale grid, weight block rows)."""
+    n, k = values.shape[-2:]
+    if a.shape[1] != k:
+        raise ValueError(f"activations have {a.shape[1]} columns, the weight takes {k}")
+    single = group_ends is None
+    num_groups = 1 if single else group_ends.numel()
+    out = torch.empty(rows, n, dtype=out_dtype, device=a.device)
+    if rows == 0:
+        return out
     block_m, block_n_tile, warps = _tile_shape(rows / num_groups)
     m_tiles = triton.cdiv(rows, block_m) + (0 if single else num_groups)
     grid = (m_tiles * triton.cdiv(n, block_n_tile),)
     stacked = values.dim() == 3
-    _grouped_fp8_gemm_kernel[grid](
-        q, scales, row_index if row_index is not None else q, values, scale_inv, out,
-        group_ends if group_ends is not None else q,
+    scales, scale_inv, weight_block_n = fp8_scales if fp8_scales is not None else (a, a, 1)
+    _grouped_gemm_kernel[grid](
+        a, scales, row_index if row_index is not None else a, values, scale_inv, out,
+        group_ends if group_ends is not None else a,
         rows, n, k, num_groups, m_tiles,
-        q.stride(0), scales.stride(0), values.stride(0) if stacked else 0, values.stride(-2),
-        scale_inv.stride(0) if stacked else 0, scale_inv.stride(-2), out.stride(0),
-        SINGLE_GROUP=single, GATHER=row_index is not None, GROUPS_POW2=max(2, triton.next_power_of_2(num_groups)),
-        BLOCK_M=block_m, BLOCK_N=block_n_tile, BLOCK_K=block_k, WEIGHT_BLOCK_N=block_n, SWIZZLE=SWIZZLE_M,
+        a.stride(0), scales.stride(0), values.stride(0) if stacked else 0, values.stride(-2),
+        scale_inv.stride(0) if fp8_scales is not None and stacked else 0,
+        scale_inv.stride(-2) if fp8_scales is not None else 0, out.stride(0),
+        SCALED=fp8_scales is not None, SINGLE_GROUP=single, GATHER=row_index is not None,
+        GROUPS_POW2=max(2, triton.next_power_of_2(num_groups)),
+        BLOCK_M=block_m, BLOCK_N=block_n_tile, BLOCK_K=block_k, WEIGHT_BLOCK_N=weight_block_n, SWIZZLE=SWIZZLE_M,
         num_warps=warps, num_stages=4,
     )
     return out
+
+
+# An operator of its own, so torch.compile takes the kernel as one opaque call (its output shape below) when it
+# traces the routed experts whole for the decode graphs.
+@torch.library.custom_op("pdserve::bf16_grouped_gemm", mutates_args=())
+def bf16_grouped_gemm_op(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor,
+                         row_index: torch.Tensor | None) -> torch.Tensor:
+    return bf16_grouped_gemm(x, weight, group_ends, row_index)
+
+
+@bf16_grouped_gemm_op.register_fake
+def _(x, weight, group_ends, row_index):
+    rows = row_index.shape[0] if row_index is not None else x.shape[0]
+    return x.new_empty(rows, weight.shape[1])
