@@ -234,6 +234,8 @@ def main() -> None:
     parser.add_argument("--check-tokens", type=int, default=512, help="tokens per sequence (2 seqs) for the logits check")
     parser.add_argument("--no-graph", action="store_true")
     parser.add_argument("--no-compile", action="store_true", help="skip the graphs with compiled layer regions")
+    parser.add_argument("--unfused", action="store_true", help="separate GEMMs for the linears that read the same "
+                        "input (q and kv_a; gate and up), as before they were fused")
     parser.add_argument("--profile-graph", type=int, default=0, help="print the device hot spots of the engine's "
                         "graph step (compiled regions) at this batch size, 4k context, and stop")
     parser.add_argument("--check-only", action="store_true", help="only the logits check")
@@ -268,7 +270,7 @@ def main() -> None:
         f"{args.dtype} matmul {flop_per_s / 1e12:.0f} TFLOP/s")
 
     backends = select_backends(args.attention, args.moe, device, dtype)
-    model = init_random_weights(build_model(cfg, backends, device, dtype), seed=0)
+    model = init_random_weights(build_model(cfg, backends, device, dtype, fuse=not args.unfused), seed=0)
     params = sum(p.numel() for p in model.parameters())
     log(f"model: {params / 1e9:.2f}B params, {cfg.num_hidden_layers} layers; backends "
         f"{type(backends.attention).__name__} + {type(backends.moe).__name__}")

@@ -33,6 +33,21 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+def fuse_rows(owner: nn.Module, name: str, linears: list[nn.Module]) -> None:
+    """Stack the linears' weights in one matrix, registered on `owner` as buffer `name` (None where any linear is not
+    a plain nn.Linear, e.g. FP8), and make each weight a view of its rows: one GEMM then computes all of them, memory
+    is unchanged, and writes into the weights (loading) land in the stacked matrix."""
+    fused = None
+    if all(type(linear) is nn.Linear for linear in linears):
+        fused = torch.cat([linear.weight.detach() for linear in linears])
+        start = 0
+        for linear in linears:
+            rows = linear.weight.shape[0]
+            linear.weight = nn.Parameter(fused[start:start + rows], requires_grad=False)
+            start += rows
+    owner.register_buffer(name, fused, persistent=False)
+
+
 def _linear(in_features: int, out_features: int, fp8_block: tuple[int, int] | None = None) -> nn.Module:
     if fp8_block is not None:
         return FP8Linear(in_features, out_features, fp8_block)
@@ -58,19 +73,31 @@ class MLAttention(nn.Module):
         # einsums with the queries and the attention output, not as a linear. In bf16 it costs V3 ~1 GB more than FP8.
         self.kv_b_proj = _linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
         self.o_proj = _linear(heads * cfg.v_head_dim, cfg.hidden_size, fp8_block)
+        self.register_buffer("input_proj", None, persistent=False)  # see fuse_projections()
+
+    def fuse_projections(self) -> None:
+        """The two projections of the layer's input (the query's, or its low-rank first half, and the latent's) as
+        one GEMM: at decode sizes each is a GEMV-shaped read of its weight, and one larger read runs closer to the
+        memory's bandwidth than two."""
+        fuse_rows(self, "input_proj", [self.q_proj if self.cfg.q_lora_rank is None else self.q_a_proj,
+                                       self.kv_a_proj_with_mqa])
 
     def project(self, x, rotations, rope: RotaryEmbedding, absorb: bool):
         """Queries (nope part, absorbed into the latent space when `absorb`; rope part) and the new tokens' latents
         and rope keys, all rotated: what either attention form starts from."""
         cfg = self.cfg
         heads, nope, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
-        if cfg.q_lora_rank is None:
-            q = self.q_proj(x)
+        if self.input_proj is not None:
+            q, latent_and_rope = F.linear(x, self.input_proj).split([self.input_proj.shape[0] - cfg.kv_dim,
+                                                                       cfg.kv_dim], dim=-1)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = self.q_proj(x) if cfg.q_lora_rank is None else self.q_a_proj(x)
+            latent_and_rope = self.kv_a_proj_with_mqa(x)
+        if cfg.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(-1, heads, cfg.qk_head_dim)
         q_nope, q_pe = q[..., :nope], q[..., nope:]
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([rank, cfg.qk_rope_head_dim], dim=-1)
+        latent, k_pe = latent_and_rope.split([rank, cfg.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         q_pe = rope.apply(q_pe, rotations)
         k_pe = rope.apply(k_pe, rotations)
@@ -127,9 +154,17 @@ class DenseMLP(nn.Module):
         self.gate_proj = _linear(hidden, inter, fp8_block)
         self.up_proj = _linear(hidden, inter, fp8_block)
         self.down_proj = _linear(inter, hidden, fp8_block)
+        self.register_buffer("gate_up", None, persistent=False)  # see fuse_projections()
+
+    def fuse_projections(self) -> None:
+        fuse_rows(self, "gate_up", [self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is not None:
+            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class TopkRouter(nn.Module):
@@ -289,6 +324,13 @@ class DeepseekForCausalLM(nn.Module):
 
     def init_rope(self, device: torch.device) -> None:
         self.rope = RotaryEmbedding(self.cfg.rope, device)
+
+    def fuse_projections(self) -> None:
+        """Linears that read the same input become one GEMM each (see fuse_rows): on the final device, before any
+        weight is written."""
+        for module in self.modules():
+            if isinstance(module, (MLAttention, DenseMLP)):
+                module.fuse_projections()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, batch: AttentionBatch,
                 backends: Backends | None = None, regions: LayerRegions | None = None):

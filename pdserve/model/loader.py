@@ -30,14 +30,17 @@ class CheckpointError(ValueError):
 
 def build_model(
     cfg: ModelConfig, backends: Backends, device: torch.device, dtype: torch.dtype, experts: ExpertRange | None = None,
-    keep_fp8: bool = False,
+    keep_fp8: bool = False, fuse: bool = True,
 ) -> DeepseekForCausalLM:
     """An uninitialised model on `device` (no host copy of the weights is ever made). `keep_fp8`: an FP8 checkpoint's
-    FP8 linears stay FP8 (values + scale grid) instead of being dequantized to `dtype`."""
+    FP8 linears stay FP8 (values + scale grid) instead of being dequantized to `dtype`. `fuse`: linears that read the
+    same input as one GEMM (benchmarks turn it off to measure it)."""
     fp8_block = cfg.fp8_block_size if keep_fp8 else None
     with torch.device("meta"):
         model = DeepseekForCausalLM(cfg, backends, experts, fp8_block).to(dtype)
     model.to_empty(device=device)
+    if fuse:
+        model.fuse_projections()
     for module in model.modules():
         if hasattr(module, "e_score_correction_bias"):
             module.e_score_correction_bias = module.e_score_correction_bias.to(torch.float32)
@@ -73,7 +76,7 @@ def load_model(
 ) -> DeepseekForCausalLM:
     model_dir = Path(model_dir)
     model = build_model(cfg, backends, device, dtype, experts, keep_fp8)
-    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    params = model.state_dict(keep_vars=True)  # weights and persistent buffers (not the fused projections' views)
     # A kept FP8 weight's scale grid is filled with it, so only the weight itself is looked for.
     expected = {name for name in params if not name.endswith(SCALE_SUFFIX)}
     if cfg.tie_word_embeddings:
