@@ -3,6 +3,7 @@
 Parameter names follow the Hugging Face checkpoints, except routed experts, which are stacked per layer
 (`mlp.experts.w13` = gate and up, `mlp.experts.w2` = down) and hold only this rank's experts. With `fp8_block` set,
 the linears an FP8 checkpoint ships in FP8 stay FP8 (pdserve.model.fp8_modules), each with its `*_scale_inv` grid.
+Linears that read the same input can be fused into one GEMM (`fuse_projections`) and keep their names.
 """
 
 from collections.abc import Callable
