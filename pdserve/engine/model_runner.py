@@ -19,8 +19,8 @@ class ModelRunner:
                  fixed_exchange: ExpertParallelMoE | None = None, compiled: CompiledLayers | None = None):
         """`fixed_exchange`: the expert-parallel MoE backend, where decode steps use its fixed-capacity exchange.
         `compiled`: the layers' compiled regions, captured in the decode graphs. Eager steps (prefill chunks) stay
-        uncompiled: run compiled too, greedy tokens under overlapped scheduling with requests arriving mid-decode
-        differed from the synchronous run's on an H100 (docs/benchmarks.md)."""
+        uncompiled: run compiled too, bf16 rows rounded differently by step shape, and overlapped and synchronous
+        runs of one workload no longer gave the same greedy tokens on an H100 (docs/benchmarks.md)."""
         cfg = model.cfg
         self.model = model
         self.compiled = compiled
