@@ -36,9 +36,9 @@ class EngineConfig:
     cuda_graphs: bool = setting(True, "decode under CUDA graphs where it can run (flashinfer attention; not on CPU)")
     compile_layers: Literal["auto", "on", "off"] = setting(
         "auto", "compile each decoder layer's tensor work between the attention and expert kernels (norms, RoPE, "
-                "residuals, routing, the grouped experts' sort and gathers) with torch.compile into fused kernels, "
-                "for decode graphs and prefill steps; compiled at start-up (tens of seconds). auto: on for bf16 on "
-                "CUDA unless FP8 linears are kept")
+                "residuals, routing, the grouped experts' sort and gathers) with torch.compile into fused kernels "
+                "inside the decode CUDA graphs; compiled at start-up (tens of seconds). auto: on for bf16 on CUDA "
+                "unless FP8 linears are kept")
     expert_exchange: Literal["auto", "fixed", "splits"] = setting(
         "auto", "expert parallelism's exchange in decode steps. fixed: C rows per peer, no host wait, so decode runs "
                 "under CUDA graphs (a step where some rank's pairs overflow C runs again with split sizes); splits: "

@@ -120,9 +120,9 @@ class DecodeGraphs:
         compiled = self.compiled
         backends = Backends(attention=attention, moe=compiled.moe if compiled else self.model.backends.moe,
                             expert_load=load.masked(self._pair_valid) if load is not None else None)
+        regions = compiled.regions if compiled else None
 
         def step() -> torch.Tensor:
-            regions = compiled.regions if compiled else None
             return self.model.compute_logits(self.model(ids, positions, self.kv_cache, batch, backends, regions))
 
         if self.exchange is not None:

@@ -19,7 +19,6 @@ from pdserve.cache.page_allocator import PageAllocator, pages_for
 from pdserve.cache.radix_cache import NullPrefixCache, RadixCache
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cuda_graphs import decode_graph_config
-from pdserve.model.compiled_layers import compile_layers, wants_compiled_layers
 from pdserve.engine.device_values import on_device
 from pdserve.engine.in_flight import InFlightStep
 from pdserve.engine.logits_processing import LogitsProcessing
@@ -30,6 +29,7 @@ from pdserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from pdserve.engine.simulated import SimulatedRunner
 from pdserve.engine.step_profile import DEFAULT_PROFILE, StepProfile
 from pdserve.engine.step_shape import StepShape, step_shape
+from pdserve.model.compiled_layers import compile_layers, wants_compiled_layers
 from pdserve.model.config import ModelConfig
 from pdserve.model.deepseek import DeepseekForCausalLM
 from pdserve.model.loader import build_model, load_model

@@ -167,7 +167,6 @@ def bf16_grouped_gemm(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.T
     return _grouped_gemm(x, weight, rows, group_ends, row_index, x.dtype, BF16_BLOCK_K, None)
 
 
-
 def _grouped_gemm(a: torch.Tensor, values: torch.Tensor, rows: int, group_ends: torch.Tensor | None,
                   row_index: torch.Tensor | None, out_dtype: torch.dtype, block_k: int,
                   fp8_scales: tuple[torch.Tensor, torch.Tensor, int] | None) -> torch.Tensor:
