@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from gpu_decode_prefill import DEFAULT_CONFIG, contiguous_batch, step_inputs
 
 from pdserve.http.ports import free_port
-from pdserve.engine.cuda_graphs import DecodeGraphConfig, DecodeGraphs
+from pdserve.engine.cuda_graphs import DecodeGraphConfig, DecodeGraphs, leave_process_group
 from pdserve.model.config import ModelConfig
 from pdserve.model.loader import build_model
 from pdserve.model.random_init import init_random_weights
@@ -86,11 +86,11 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
             results.put(dict(ranks=world_size, rank=rank, batch=batch_size, step_ms=step_s * 1e3,
                              exchange_ms=exchange_s * 1e3, expert_gib=model.routed_expert_bytes() / 2**30,
                              overflowed=overflowed))
-            del kv_cache
+            del kv_cache, step
             if on_cuda:
                 torch.cuda.empty_cache()
     finally:
-        dist.destroy_process_group()
+        leave_process_group()
 
 
 def eager_step(model, kv_cache, ids, positions, last_rows, query_lens, kv_lens, page_size):

@@ -37,7 +37,10 @@ ROLES = {"colocated": dict(num_prefill=0, num_decode=0, num_both=2),
 V2_LITE = Path(__file__).resolve().parents[1] / "pdserve" / "model" / "configs" / "deepseek-v2-lite.json"
 # Summed over every sample of the family (all ranks): what moved between the workers during one rate.
 SCRAPED = ("pdserve_kv_transfer_bytes_total", "pdserve_kv_transfer_seconds_sum", "pdserve_kv_transfer_seconds_count",
-           "pdserve_kv_transfer_failures_total", "pdserve_router_local_prefills_total")
+           "pdserve_kv_transfer_failures_total", "pdserve_router_local_prefills_total",
+           "pdserve_inter_token_latency_seconds_count")
+# The router's own inter-token histogram, at these bounds: which gaps were already there before the client read them.
+ITL_BOUNDS = ("0.05", "0.1")
 
 
 def scrape_totals(url: str) -> dict[str, float]:
@@ -50,7 +53,19 @@ def scrape_totals(url: str) -> dict[str, float]:
         values = re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
         if values:
             totals[name] = sum(float(v) for v in values)
+    for bound in ITL_BOUNDS:
+        values = re.findall(rf'^pdserve_inter_token_latency_seconds_bucket{{[^}}]*le="{bound}"[^}}]*}} (\S+)$', text, re.M)
+        if values:
+            totals[f"itl_le_{bound}"] = sum(float(v) for v in values)
     return totals
+
+
+def router_itl_text(moved: dict[str, float]) -> str:
+    gaps = moved.get("pdserve_inter_token_latency_seconds_count", 0.0)
+    if not gaps:
+        return "-"
+    return ", ".join(f"{1 - moved.get(f'itl_le_{bound}', 0.0) / gaps:.1%} over {float(bound) * 1e3:g} ms"
+                     for bound in ITL_BOUNDS)
 
 
 def kv_rate_text(moved: dict[str, float]) -> str:
@@ -124,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
                 rows.append(row(args.deployment, rate, summary, point["meets_slo"], kv))
                 print(f"[{time.monotonic() - started:5.0f} s] {args.deployment} {rate:g} req/s:\n{summary_lines(summary)}"
                       f"\n  KV transfer: {kv_rate_text(kv)}; local prefills: {kv['pdserve_router_local_prefills_total']:.0f}"
+                      + f"\n  router-seen ITL: {router_itl_text(moved['router'])}"
                       + (f"\n  errors: {point['errors']}" if point["errors"] else ""), flush=True)
                 write_json(out / f"{args.deployment}.json", record)
     finally:

@@ -12,11 +12,13 @@ planning overlaps the GPU's work instead of preceding it. A plan depends on the 
 data the kernels read.
 """
 
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from pdserve.cache.page_allocator import pages_for
 from pdserve.engine.in_flight import CarriedTokens
@@ -202,3 +204,14 @@ class DecodeGraphs:
         index = self._free_index(size)
         self._plan(self._steps[size][index], padded_lens, next_pages + [[self.scratch_page]] * pad)
         self._planned_ahead = _PlannedStep(size, index, tuple(padded_lens))
+
+
+def leave_process_group() -> None:
+    """Destroys the default process group once no CUDA graph holds its collectives. NCCL's communicator teardown
+    waits for the graphs that captured its collectives (pytorch/pytorch#115388: it hangs while one lives), so the
+    caller drops every reference to its graphs first; their reference cycles are collected here."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    dist.destroy_process_group()
+

@@ -51,7 +51,17 @@ class InvalidRequestError(ValueError):
 
 
 class NoCapacityError(RuntimeError):
-    """The rank cannot take the request now (its KV pool is full); another rank or a retry may."""
+    """The rank cannot take the request now (its KV pool is full, or every sequence slot is taken); another rank or a
+    retry may."""
+
+
+@dataclass(frozen=True)
+class ReservedPages:
+    """Pages reserved for a prompt that another rank will write. `settled` (CUDA) completes once every step launched
+    before the reservation has run: only then may the page ids leave this rank."""
+
+    page_ids: list[int]
+    settled: torch.cuda.Event | None
 
 
 @dataclass
@@ -247,21 +257,27 @@ class Engine:
         if request is not None:
             self.scheduler.release_kept_pages(request)
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> Request:
-        """Pages for the whole prompt, to be written by a prefill rank; raises NoCapacityError if the pool is full."""
+    def reserve(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> ReservedPages:
+        """Pages for the whole prompt, to be written by a prefill rank; raises NoCapacityError if the pool is full or
+        the rank already holds max_num_seqs sequences (running or reserved: a decode batch never outgrows the largest
+        captured graph, whose steps would otherwise run eagerly at several times the time)."""
+        if len(self.requests) >= self.cfg.max_num_seqs:
+            raise NoCapacityError(f"all {self.cfg.max_num_seqs} sequence slots are taken")
         request = self._new_request(request_id, prompt_token_ids, sampling)
         num_pages = pages_for(len(prompt_token_ids), self.cfg.page_size)
         pages = self.prefix_cache.alloc_or_evict(num_pages)
         if pages is None:
             self._forget(request)
             raise NoCapacityError(f"no room for {num_pages} pages ({self.allocator.num_free} free)")
+        request.page_ids = pages
+        settled = None
         if self.device.type == "cuda":
             # A remote rank writes these pages without regard to our stream: pages freed while a launched step may
             # still write them (an overlapped step of a request that ended, was aborted or preempted) must wait for
-            # it before their ids leave this rank. Only once they are ours: a full pool is retried, not synced on.
-            torch.cuda.current_stream(self.device).synchronize()
-        request.page_ids = pages
-        return request
+            # it before their ids leave this rank. The caller waits, off the step thread, which steps on meanwhile.
+            settled = torch.cuda.Event()
+            settled.record(torch.cuda.current_stream(self.device))
+        return ReservedPages(pages, settled)
 
     def start_decoding(self, request_id: str, first: RequestOutput) -> RequestOutput:
         """The reserved pages now hold the prompt's KV: decode on from the prefill rank's first token (`first`:

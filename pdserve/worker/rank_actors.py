@@ -32,6 +32,7 @@ from pdserve.wire.protocol import (
     ReservationQuery,
     TokenEvent,
 )
+from pdserve.worker.gc_pauses import freeze_start_up_objects
 from pdserve.worker.rank_runtime import RankConfig, RankRuntime, RankStats
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,10 @@ class RankActor:
         """Answers once the rank has warmed up."""
         runtime = self._started()
         await runtime.ready()
+        # This process is the rank's own: what start-up made (model, compiled layers, graphs) leaves the collector's
+        # sight, so no full collection walks it mid-step (gc_pauses.py).
+        frozen = freeze_start_up_objects()
+        log.debug("rank %s: %d start-up objects frozen", self.cfg.rank, frozen)
         return msgspec.json.encode(runtime.info())
 
     async def submit(self, request_json: bytes, reservation_json: bytes = b"null") -> None:

@@ -63,6 +63,7 @@ from pdserve.worker.warm_up import warm_up
 log = logging.getLogger(__name__)
 KV_EVENT_WAIT_S = 1.0  # a KV-event subscriber's long poll; well inside the worker edge's call timeout
 RESERVE_RETRY_S = 0.02  # a decode rank whose pool is full retries a reservation this often
+EVENT_POLL_S = 0.001  # how often a reservation looks whether the steps launched before it have run
 
 OpenBackend = Callable[[str, torch.Tensor, OnNotification], TransferBackend]
 
@@ -85,6 +86,14 @@ class RankConfig:
     step_trace: str = ""  # trace each busy step to this path's `.{role}.rank{rank}` file once warmed up (step_trace.py)
 
 
+async def _completed(event: torch.cuda.Event | None, deadline_s: float) -> None:
+    """Waits, without holding the event loop, for the device to pass `event` (None: nothing to wait for)."""
+    while event is not None and not event.query():
+        if time.monotonic() >= deadline_s:
+            raise TimeoutError("the device did not finish the steps launched before a reservation")
+        await asyncio.sleep(EVENT_POLL_S)
+
+
 class _EnginePort:
     """The engine as the hand-off roles reach it: each call runs on the step thread."""
 
@@ -103,10 +112,16 @@ class _EnginePort:
                 try:
                     reserved = await self._runtime.steps.call(
                         lambda: self._engine.reserve(request.request_id, request.prompt_token_ids, request.sampling))
-                    return list(reserved.page_ids)
                 except NoCapacityError:
                     if time.monotonic() + RESERVE_RETRY_S >= deadline_s:
                         raise
+                else:
+                    try:
+                        await _completed(reserved.settled, deadline_s)
+                    except BaseException:  # cancelled or timed out: the pages go back, unseen
+                        await self.free(request.request_id)
+                        raise
+                    return list(reserved.page_ids)
                 if not waiting:
                     waiting = True
                     self.waiting_for_room += 1
@@ -335,7 +350,7 @@ class RankRuntime:
             log.info("rank %s warmed up in %.1f s", self.cfg.rank, self.warmup_s)
         self.steps.test_step_delay_s = self.cfg.test_step_delay_s
         if self.cfg.step_trace:  # warm-up's steps (kernels compiling) are no step's cost in service
-            self.steps.trace = StepTrace(rank_trace_path(self.cfg.step_trace, self.cfg.role, self.cfg.rank))
+            self.steps.trace_to(StepTrace(rank_trace_path(self.cfg.step_trace, self.cfg.role, self.cfg.rank)))
 
     # --- on the step thread -----------------------------------------------------------------------------------
     def _route_outputs(self, outputs: list[RequestOutput]) -> None:

@@ -17,6 +17,7 @@ from pdserve.engine.engine import Engine, EngineStats, RequestOutput
 from pdserve.engine.lockstep import Lockstep
 from pdserve.engine.step_shape import StepShape
 from pdserve.engine.step_trace import StepTrace
+from pdserve.worker.gc_pauses import GcClock
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -48,6 +49,7 @@ class _OpenTurn:
     shape: StepShape
     started_s: float
     engine_ms: float
+    gc_s: float  # the garbage collector's clock when the turn started
 
 
 class StepLoop:
@@ -57,7 +59,8 @@ class StepLoop:
         thread."""
         self.engine = engine
         self.test_step_delay_s = 0.0  # test hook: each step first sleeps this long (a slow kernel)
-        self.trace: StepTrace | None = None  # when set, each busy step's turn is traced (closed when the loop ends)
+        self.trace: StepTrace | None = None  # set by trace_to
+        self._gc: GcClock | None = None
         self._open_turn: _OpenTurn | None = None
         self._rank = rank
         self._lockstep = lockstep
@@ -82,6 +85,11 @@ class StepLoop:
         self._commands.put((lambda: None, concurrent.futures.Future()))  # wakes an idle loop to see it
         if self._thread is not None:
             self._thread.join(timeout=JOIN_TIMEOUT_S)
+
+    def trace_to(self, trace: StepTrace) -> None:
+        """From now on trace each busy step's turn, and the time collecting garbage in it (closed when the loop
+        ends)."""
+        self.trace, self._gc = trace, GcClock()
 
     async def call(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the step thread, between steps."""
@@ -115,6 +123,8 @@ class StepLoop:
         finally:
             if self.trace is not None:
                 self.trace.close()
+            if self._gc is not None:
+                self._gc.close()
 
     def _step(self) -> list[RequestOutput]:
         busy = self.engine.has_work()
@@ -124,6 +134,7 @@ class StepLoop:
             return []
         started_s = time.monotonic()
         self._end_turn(started_s)
+        gc_s = self._gc.seconds if self._gc is not None else 0.0
         if self.test_step_delay_s:
             time.sleep(self.test_step_delay_s)
         engine_started_s = time.monotonic()
@@ -131,14 +142,15 @@ class StepLoop:
         self._steps_completed += 1
         if self.trace is not None and self.engine.last_step.ran_work:
             engine_ms = (time.monotonic() - engine_started_s) * 1000
-            self._open_turn = _OpenTurn(self.engine.last_step, started_s, engine_ms)
+            self._open_turn = _OpenTurn(self.engine.last_step, started_s, engine_ms, gc_s)
         return outputs
 
     def _end_turn(self, now_s: float) -> None:
         """The traced step's turn ends: at the next step's start, or where the loop found no more work."""
         turn, self._open_turn = self._open_turn, None
         if turn is not None and self.trace is not None:
-            self.trace.record(turn.shape, turn.started_s, turn.engine_ms, now_s)
+            gc_ms = (self._gc.seconds - turn.gc_s) * 1000 if self._gc is not None else 0.0
+            self.trace.record(turn.shape, turn.started_s, turn.engine_ms, now_s, gc_ms)
 
     def _went_idle(self) -> None:
         """The wait for work that follows is no step's cost; what the trace holds is written before it."""

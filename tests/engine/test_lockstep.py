@@ -7,6 +7,7 @@ from spawned_ranks import run_spawned_ranks
 
 from pdserve.http.ports import free_port
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.cuda_graphs import leave_process_group
 from pdserve.engine.engine import Engine
 from pdserve.engine.llm import LLM
 from pdserve.engine.lockstep import Lockstep
@@ -38,29 +39,34 @@ def _rank_main(rank: int, world_size: int, port: int, model: str, prompts: list[
     dist.init_process_group("nccl" if on_cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size)
     try:
-        num_experts = ModelConfig.from_dir(model).n_routed_experts
-        experts = ExpertRange(*expert_owner_range(rank, world_size, num_experts))
-        backends: list[ExpertParallelMoE] = []
-        host_group = dist.new_group(backend="gloo")  # as a worker's ranks agree on host values (rank_runtime.py)
-
-        def wrap(local):
-            backends.append(ExpertParallelMoE(None, num_experts, local, capacity_factor=capacity_factor,
-                                              host_group=host_group))
-            return backends[-1]
-
-        engine = Engine(EngineConfig(model=model, progress=False, **options), experts=experts, wrap_moe=wrap)
-        for i, ids in enumerate(prompts):
-            engine.add_request(f"r{rank}-{i}", ids, SAMPLING)
-        tokens: dict[str, list[int]] = {f"r{rank}-{i}": [] for i in range(len(prompts))}
-        lockstep, steps = Lockstep(host_group, torch.device("cpu")), 0
-        while lockstep.any_rank_busy(engine.has_work()) and steps < 100:
-            steps += 1
-            for out in engine.step(force_forward=True):
-                tokens[out.request_id].extend(out.new_token_ids)
-        results.put((rank, [tokens[f"r{rank}-{i}"] for i in range(len(prompts))], steps,
-                     engine.stats().expert_weight_bytes, backends[0].exchange))
+        results.put(_run_rank(rank, world_size, model, prompts, options, capacity_factor))
     finally:
-        dist.destroy_process_group()
+        leave_process_group()  # the engine (and its graphs) went with _run_rank's frame
+
+
+def _run_rank(rank: int, world_size: int, model: str, prompts: list[list[int]], options: dict,
+              capacity_factor: float) -> tuple:
+    num_experts = ModelConfig.from_dir(model).n_routed_experts
+    experts = ExpertRange(*expert_owner_range(rank, world_size, num_experts))
+    backends: list[ExpertParallelMoE] = []
+    host_group = dist.new_group(backend="gloo")  # as a worker's ranks agree on host values (rank_runtime.py)
+
+    def wrap(local):
+        backends.append(ExpertParallelMoE(None, num_experts, local, capacity_factor=capacity_factor,
+                                          host_group=host_group))
+        return backends[-1]
+
+    engine = Engine(EngineConfig(model=model, progress=False, **options), experts=experts, wrap_moe=wrap)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"r{rank}-{i}", ids, SAMPLING)
+    tokens: dict[str, list[int]] = {f"r{rank}-{i}": [] for i in range(len(prompts))}
+    lockstep, steps = Lockstep(host_group, torch.device("cpu")), 0
+    while lockstep.any_rank_busy(engine.has_work()) and steps < 100:
+        steps += 1
+        for out in engine.step(force_forward=True):
+            tokens[out.request_id].extend(out.new_token_ids)
+    return (rank, [tokens[f"r{rank}-{i}"] for i in range(len(prompts))], steps, engine.stats().expert_weight_bytes,
+            backends[0].exchange)
 
 
 def run_instance(model: str, per_rank: list[list[list[int]]], options: dict, capacity_factor: float = 2.0,

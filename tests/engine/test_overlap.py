@@ -13,7 +13,7 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.cache.page_allocator import pages_for
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.engine import Engine, RequestOutput
+from pdserve.engine.engine import Engine, NoCapacityError, RequestOutput
 from pdserve.text.grammars import json_schema_source
 from pdserve.text.tokenizer import PromptTokenizer
 from pdserve.wire.sampling import Grammar
@@ -267,6 +267,22 @@ def test_prefill_only_and_start_decoding_overlapped_give_the_colocated_tokens(ti
     while decode.has_work():
         tokens += [t for out in decode.step() for t in out.new_token_ids]
     assert tokens == colocated
+
+
+def test_a_decode_rank_reserves_for_at_most_max_num_seqs_sequences(tiny_v2):
+    """Reserved and running sequences together stay within max_num_seqs, so a P/D decode batch never outgrows the
+    largest captured graph; a slot frees when a sequence ends."""
+    decode = engine_for(tiny_v2, True, page_size=16, max_num_seqs=2)
+    prompt, sampling = prompts_of((20,))[0], replace(GREEDY, max_tokens=2)
+    decode.reserve("a", prompt, sampling)
+    decode.start_decoding("a", RequestOutput("a", [5], None))
+    decode.reserve("b", prompt, sampling)
+    with pytest.raises(NoCapacityError, match="2 sequence slots"):
+        decode.reserve("c", prompt, sampling)
+    assert "c" not in decode.requests
+    while "a" in decode.requests:  # "a" ends on its length
+        decode.step()
+    assert decode.reserve("c", prompt, sampling).page_ids
 
 
 def test_prefill_only_requests_keep_exactly_the_prompt_pages_when_the_prompt_fills_them(tiny_v2):

@@ -1,8 +1,9 @@
 """The step trace: a step's shape as the engine scheduled it, and one line per busy step of a rank's step loop with
 the turn it took (to the next step's start, never an idle wait), written by a real engine on the tiny model, alone
-and inside a worker started with `--step-trace`."""
+and inside a worker started with `--step-trace`; the time collecting garbage in each turn."""
 
 import asyncio
+import gc
 import itertools
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from pdserve.engine.engine import Engine, RequestOutput
 from pdserve.engine.step_shape import StepShape
 from pdserve.engine.step_trace import StepTrace, rank_trace_path, read_trace
 from pdserve.wire.sampling import SamplingParams
+from pdserve.worker.gc_pauses import GcClock
 from pdserve.worker.step_loop import StepLoop
 
 TIMEOUT_S = 60.0
@@ -69,7 +71,7 @@ class TracedLoop:
         self.finished: list[str] = []
         self.steps = StepLoop(Engine(EngineConfig(model=model, dtype="float32", num_pages=64, page_size=16,
                                                   progress=False)), 0, None, self._routed, lambda message: None)
-        self.steps.trace = StepTrace(trace_path)
+        self.steps.trace_to(StepTrace(trace_path))
         self.steps.start()
 
     def _routed(self, outputs: list[RequestOutput]) -> None:
@@ -121,6 +123,28 @@ def test_an_idle_wait_is_no_part_of_the_last_steps_turn(traced):
     assert len(records) == 8  # a prefill and three decodes, twice
     assert all(50 <= r.turn_ms < 400 for r in records)
     assert records[4].t_s - records[3].t_s > 0.6 + records[3].turn_ms / 1000
+
+
+def test_a_turn_records_the_time_the_process_spent_collecting_garbage(traced):
+    loop, path = traced
+    loop.steps.test_step_delay_s = 0.02  # the prompt's four steps outlast the two calls below
+    prompt = list(range(5, 45))
+    asyncio.run(loop.steps.call(lambda: loop.steps.engine.add_request("collected", prompt, GREEDY)))
+    asyncio.run(loop.steps.call(gc.collect))  # between two of its steps: inside a traced turn
+    assert eventually(lambda: "collected" in loop.finished, timeout_s=20)
+    loop.steps.stop()
+    records = read_trace(path)
+    assert sum(r.gc_ms for r in records) > 0
+    assert all(0 <= r.gc_ms <= r.turn_ms for r in records)
+
+
+def test_the_gc_clock_counts_collections_until_closed():
+    clock = GcClock()
+    gc.collect()
+    counted = clock.seconds
+    clock.close()
+    gc.collect()
+    assert counted > 0 and clock.seconds == counted
 
 
 def test_a_worker_started_with_step_trace_writes_its_ranks_file(tiny_v2, tmp_path):
