@@ -54,7 +54,8 @@ def scrape_totals(url: str) -> dict[str, float]:
         if values:
             totals[name] = sum(float(v) for v in values)
     for bound in ITL_BOUNDS:
-        values = re.findall(rf'^pdserve_inter_token_latency_seconds_bucket{{[^}}]*le="{bound}"[^}}]*}} (\S+)$', text, re.M)
+        pattern = rf'^pdserve_inter_token_latency_seconds_bucket{{[^}}]*le="{bound}"[^}}]*}} (\S+)$'
+        values = re.findall(pattern, text, re.M)
         if values:
             totals[f"itl_le_{bound}"] = sum(float(v) for v in values)
     return totals

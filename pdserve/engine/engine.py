@@ -9,6 +9,7 @@ Ends that the host knows without the token's value (max_tokens, the context leng
 
 import importlib.util
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -83,6 +84,7 @@ class RequestOutput:
 class EngineStats:
     running: int
     waiting: int
+    held: int  # sequences held: running, waiting, or reserved for a KV transfer (reservations stop at max_num_seqs)
     free_pages: int
     total_pages: int
     prefix_cache_pages: int
@@ -174,6 +176,7 @@ class Engine:
         self._prefix_queries_tokens = self._prefix_hits_tokens = 0
         self._prompt_tokens = self._generation_tokens = 0
         self.last_step = StepShape()  # what the last step computed (the step trace times it)
+        self.last_step_wait_s = 0.0  # of the last step() call, the host's wait for a step in flight to finish
         self._in_flight: InFlightStep | None = None  # the overlapped step whose tokens the host has not read yet
         log.info("engine ready: %s pages of %s tokens on %s (%s); %s", num_pages, cfg.page_size, self.device,
                  self.dtype, described)
@@ -304,6 +307,7 @@ class Engine:
         return EngineStats(
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
+            held=len(self.requests),
             free_pages=self.allocator.num_free,
             total_pages=self.allocator.num_pages,
             prefix_cache_pages=self.prefix_cache.num_cached_pages,
@@ -322,6 +326,7 @@ class Engine:
         that expert-parallel ranks stepping in lockstep all join the same collectives. Overlapped, the outputs are
         those of the step before (read while this one runs), plus this step's when it had to run synchronously."""
         previous, self._in_flight = self._in_flight, None
+        self.last_step_wait_s = 0.0
         scheduled = self.scheduler.schedule()
         self.last_step = step_shape(scheduled)
         if not scheduled and not force_forward:
@@ -387,7 +392,9 @@ class Engine:
         requests that ended meanwhile (on the step before's token, or aborted) are discarded."""
         if in_flight is None:
             return []
+        waited_from_s = time.perf_counter()
         result = in_flight.result()
+        self.last_step_wait_s += time.perf_counter() - waited_from_s
         outputs = []
         for row, request in enumerate(in_flight.requests):
             if request.status is RequestStatus.FINISHED:

@@ -23,6 +23,8 @@ class StepRecord:
     engine_ms: float  # the engine's step alone
     turn_ms: float  # from the step's start to the next step's start, or to the loop's return to idle
     gc_ms: float = 0.0  # of the turn, the time the process spent collecting garbage (any thread: the GIL is held)
+    wait_ms: float = 0.0  # of engine_ms, the host's wait for the step before to finish on the device (overlapped
+    # scheduling: near 0 when the host, not the device, sets the pace)
 
 
 def rank_trace_path(path: str, role: str, rank: int) -> str:
@@ -43,10 +45,11 @@ class StepTrace:
         self._flush_interval_s = flush_interval_s
         self._opened_s = self._flushed_s = time.monotonic()
 
-    def record(self, shape: StepShape, started_s: float, engine_ms: float, ended_s: float, gc_ms: float = 0.0) -> None:
+    def record(self, shape: StepShape, started_s: float, engine_ms: float, ended_s: float, gc_ms: float = 0.0,
+               wait_ms: float = 0.0) -> None:
         """A step that started at `started_s` (monotonic) and whose turn ended at `ended_s`."""
         record = StepRecord(round(started_s - self._opened_s, 6), shape, round(engine_ms, 4),
-                            round((ended_s - started_s) * 1000, 4), round(gc_ms, 4))
+                            round((ended_s - started_s) * 1000, 4), round(gc_ms, 4), round(wait_ms, 4))
         self._lines.append(self._encoder.encode(record) + b"\n")
         if ended_s - self._flushed_s >= self._flush_interval_s:
             self.flush()

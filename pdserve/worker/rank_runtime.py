@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from pdserve.cache.page_allocator import pages_for
 from pdserve.disagg.counters import HandoffCounters
 from pdserve.disagg.receiver import (
     CLOCK_MARGIN_S,
@@ -63,7 +64,7 @@ from pdserve.worker.warm_up import warm_up
 log = logging.getLogger(__name__)
 KV_EVENT_WAIT_S = 1.0  # a KV-event subscriber's long poll; well inside the worker edge's call timeout
 RESERVE_RETRY_S = 0.02  # a decode rank whose pool is full retries a reservation this often
-EVENT_POLL_S = 0.001  # how often a reservation looks whether the steps launched before it have run
+EVENT_POLL_S = 0.002  # how often a reservation looks whether the steps launched before it have run
 
 OpenBackend = Callable[[str, torch.Tensor, OnNotification], TransferBackend]
 
@@ -103,25 +104,29 @@ class _EnginePort:
         self.waiting_for_room = 0  # reservations waiting for pages: queued work, as the load report counts it
 
     async def reserve(self, request: GenerateRequest) -> list[int]:
-        """Pages for the prompt. A full pool is a queue, not a failure (pages free as running requests end): tried
-        again every RESERVE_RETRY_S for up to the prefill timeout; NoCapacityError after that."""
+        """Pages for the prompt. A full pool or a full batch is a queue, not a failure (pages and sequence slots free
+        as running requests end): tried again every RESERVE_RETRY_S for up to the prefill timeout, on the step thread
+        only when the rank's last published figures show room; NoCapacityError after that."""
         deadline_s = time.monotonic() + self._runtime.cfg.prefill_timeout_s
         waiting = False
         try:
             while True:
-                try:
-                    reserved = await self._runtime.steps.call(
-                        lambda: self._engine.reserve(request.request_id, request.prompt_token_ids, request.sampling))
-                except NoCapacityError:
-                    if time.monotonic() + RESERVE_RETRY_S >= deadline_s:
-                        raise
-                else:
+                if self._may_fit(request):
                     try:
-                        await _completed(reserved.settled, deadline_s)
-                    except BaseException:  # cancelled or timed out: the pages go back, unseen
-                        await self.free(request.request_id)
-                        raise
-                    return list(reserved.page_ids)
+                        reserved = await self._runtime.steps.call(lambda: self._engine.reserve(
+                            request.request_id, request.prompt_token_ids, request.sampling))
+                    except NoCapacityError:
+                        pass
+                    else:
+                        try:
+                            await _completed(reserved.settled, deadline_s)
+                        except BaseException:  # cancelled or timed out: the pages go back, unseen
+                            await self.free(request.request_id)
+                            raise
+                        return list(reserved.page_ids)
+                if time.monotonic() + RESERVE_RETRY_S >= deadline_s:
+                    raise NoCapacityError(f"no room for the prompt's KV pages or a sequence slot within "
+                                          f"{self._runtime.cfg.prefill_timeout_s:g} s")
                 if not waiting:
                     waiting = True
                     self.waiting_for_room += 1
@@ -129,6 +134,13 @@ class _EnginePort:
         finally:
             if waiting:
                 self.waiting_for_room -= 1
+
+    def _may_fit(self, request: GenerateRequest) -> bool:
+        """Whether the step thread's last figures leave room for the request (the engine decides): dozens of waiting
+        reservations retrying through the step thread would slow every step of a full decode rank."""
+        stats = self._runtime.steps.snapshot.engine
+        pages = pages_for(len(request.prompt_token_ids), self._engine.cfg.page_size)
+        return stats.held < self._engine.cfg.max_num_seqs and stats.free_pages + stats.prefix_cache_pages >= pages
 
     async def free(self, request_id: str) -> None:
         await self._runtime.steps.call(lambda: self._engine.abort(request_id))

@@ -50,6 +50,7 @@ class _OpenTurn:
     started_s: float
     engine_ms: float
     gc_s: float  # the garbage collector's clock when the turn started
+    wait_ms: float  # of engine_ms, waiting for the device
 
 
 class StepLoop:
@@ -142,7 +143,8 @@ class StepLoop:
         self._steps_completed += 1
         if self.trace is not None and self.engine.last_step.ran_work:
             engine_ms = (time.monotonic() - engine_started_s) * 1000
-            self._open_turn = _OpenTurn(self.engine.last_step, started_s, engine_ms, gc_s)
+            self._open_turn = _OpenTurn(self.engine.last_step, started_s, engine_ms, gc_s,
+                                        self.engine.last_step_wait_s * 1000)
         return outputs
 
     def _end_turn(self, now_s: float) -> None:
@@ -150,7 +152,7 @@ class StepLoop:
         turn, self._open_turn = self._open_turn, None
         if turn is not None and self.trace is not None:
             gc_ms = (self._gc.seconds - turn.gc_s) * 1000 if self._gc is not None else 0.0
-            self.trace.record(turn.shape, turn.started_s, turn.engine_ms, now_s, gc_ms)
+            self.trace.record(turn.shape, turn.started_s, turn.engine_ms, now_s, gc_ms, turn.wait_ms)
 
     def _went_idle(self) -> None:
         """The wait for work that follows is no step's cost; what the trace holds is written before it."""

@@ -110,6 +110,7 @@ def test_each_busy_step_is_one_line_whose_turn_ends_where_the_next_step_starts(t
     for earlier, later in itertools.pairwise(records):
         assert earlier.t_s + earlier.turn_ms / 1000 == pytest.approx(later.t_s, abs=1e-5)
     assert all(0 < r.engine_ms <= r.turn_ms for r in records)
+    assert all(0 <= r.wait_ms <= r.engine_ms for r in records)
 
 
 def test_an_idle_wait_is_no_part_of_the_last_steps_turn(traced):
