@@ -160,6 +160,9 @@ def main() -> None:
             ranks = [r for r in per_rank if r["batch"] == batch]
             rows.append(dict(ranks=world_size, batch=batch, step_ms=max(r["step_ms"] for r in ranks),
                              exchange_ms=max(r["exchange_ms"] for r in ranks), expert_gib=ranks[0]["expert_gib"]))
+            # at once: a later instance size that hangs or runs out of time must not take these figures with it
+            print(f"EP{world_size} batch {batch}: step {rows[-1]['step_ms']:.2f} ms, exchange "
+                  f"{rows[-1]['exchange_ms']:.2f} ms", flush=True)
             if any(r["overflowed"] for r in ranks):
                 print(f"EP{world_size} batch {batch}: the fixed exchange overflowed (some figures are of dropped "
                       "pairs); raise --capacity-factor", flush=True)

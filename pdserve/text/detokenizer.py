@@ -73,6 +73,9 @@ class IncrementalDetokenizer:
         return window[len(emitted) :]
 
     def _release(self, new_text: str, final: bool) -> tuple[str, bool]:
+        if not self._stop:  # nothing to look for or hold back (most requests)
+            self._text += new_text
+            return new_text, False
         # Held text is never a full stop string and emitted text never ends in the start of one, so a stop string
         # can only appear within held + new text.
         pending = self._held + new_text
