@@ -40,7 +40,9 @@ def _rank_main(rank: int, world_size: int, port: int, tokens_per_rank: list[int]
         outs = [backend.forward(x, ids, weights, w13[first:first + count], w2[first:first + count], first)
                 for _ in range(2)]  # twice: the second call reuses the same group state
         overflowed = backend.overflowed_anywhere() if fixed else False
-        results.put((rank, outs[0], torch.equal(outs[0], outs[1]), backend.exchange, overflowed))
+        # As a numpy array: a tensor would cross as a shared file descriptor, which the parent cannot open once this
+        # process has ended (seen in CI: FileNotFoundError in the parent's results.get).
+        results.put((rank, outs[0].numpy(), torch.equal(outs[0], outs[1]), backend.exchange, overflowed))
     finally:
         dist.destroy_process_group()
 
@@ -68,6 +70,7 @@ def test_expert_parallel_moe_equals_torch_moe_with_all_experts(tokens_per_rank, 
     got = run_ranks(tokens_per_rank, fixed)
     for rank, num_tokens in enumerate(tokens_per_rank):
         out, repeatable, stats, overflowed = got[rank]
+        out = torch.from_numpy(out)
         assert out.shape == (num_tokens, HIDDEN)
         assert torch.equal(out, expected[rank]), f"rank {rank} differs by {(out - expected[rank]).abs().max()}"
         assert repeatable and stats.calls == 2 and stats.fixed_calls == (2 if fixed else 0)
