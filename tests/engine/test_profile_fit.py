@@ -84,8 +84,9 @@ def test_a_trace_file_reads_back_what_was_recorded(tmp_path):
     assert record.shape == StepShape(4, 100.5) and record.engine_ms == 1.25 and record.turn_ms == pytest.approx(2)
 
 
+@pytest.mark.slow  # ~32 s of CI's 15 minutes; the trace and the fit are tested above and in test_step_trace.py
 def test_the_service_profile_script_measures_and_fits_a_profile_on_the_cpu(tmp_path):
-    """benchmarks/gpu_service_profile.py --smoke: a real local cluster (Ray, a worker process, the router), ~20 s."""
+    """benchmarks/gpu_service_profile.py --smoke: a real local cluster (Ray, a worker process, the router), ~30 s."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_service_profile.py"), "--smoke",
                           "--out", str(tmp_path), "--deadline-s", "240"],
