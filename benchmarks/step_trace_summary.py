@@ -9,12 +9,8 @@ ms; then the steps that ran more than --max-batch sequences (past the largest ca
 import argparse
 from collections import defaultdict
 
+from pdserve.bench.report import percentile
 from pdserve.engine.step_trace import StepRecord, read_trace
-
-
-def quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[round(q * (len(ordered) - 1))]
 
 
 def main() -> None:
@@ -38,13 +34,13 @@ def main() -> None:
         engine, turn = [r.engine_ms for r in steps], [r.turn_ms for r in steps]
         context = sum(r.shape.decode_context for r in steps) / len(steps)
         print(f"| {low}-{low + args.bucket - 1} | {len(steps)} | {context:,.0f} "
-              f"| {quantile(engine, 0.5):.1f} / {quantile(engine, 0.9):.1f} "
-              f"| {quantile(turn, 0.5):.1f} / {quantile(turn, 0.99):.1f} "
-              f"| {quantile([r.wait_ms for r in steps], 0.5):.1f} | {max(r.gc_ms for r in steps):.1f} |")
+              f"| {percentile(engine, 50):.1f} / {percentile(engine, 90):.1f} "
+              f"| {percentile(turn, 50):.1f} / {percentile(turn, 99):.1f} "
+              f"| {percentile([r.wait_ms for r in steps], 50):.1f} | {max(r.gc_ms for r in steps):.1f} |")
     beyond = [r for r in decodes if r.shape.decode_batch > args.max_batch]
     if beyond:
         print(f"\n{len(beyond)} steps ran more than {args.max_batch} sequences (no graph): engine p50 "
-              f"{quantile([r.engine_ms for r in beyond], 0.5):.1f} ms")
+              f"{percentile([r.engine_ms for r in beyond], 50):.1f} ms")
 
 
 if __name__ == "__main__":
