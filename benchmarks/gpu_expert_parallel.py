@@ -83,6 +83,8 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
                 step_s = (time.perf_counter() - started) / args.iters
                 exchange_s = ((moe.exchange.seconds if moe else 0.0) - exchange_before) / args.iters
                 overflowed = moe.overflowed_anywhere() if fixed else False
+                if args.profile:  # every rank steps (the exchange needs them all); rank 0 prints
+                    _profile(step, f"EP{world_size} batch {batch_size}, rank 0" if rank == 0 else None)
             results.put(dict(ranks=world_size, rank=rank, batch=batch_size, step_ms=step_s * 1e3,
                              exchange_ms=exchange_s * 1e3, expert_gib=model.routed_expert_bytes() / 2**30,
                              overflowed=overflowed))
@@ -91,6 +93,18 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
                 torch.cuda.empty_cache()
     finally:
         leave_process_group()
+
+
+def _profile(step, title: str | None, steps: int = 3) -> None:
+    """The step's kernels by device time (the graph replay's too: CUPTI sees the kernels of a graph), so an EP step
+    can be split into attention, expert GEMMs, exchange and the small kernels around them."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+    if title:
+        print(f"\n{title}: {steps} steps\n" + prof.key_averages().table(sort_by="device_time_total", row_limit=18,
+                                                                          max_name_column_width=60), flush=True)
 
 
 def eager_step(model, kv_cache, ids, positions, last_rows, query_lens, kv_lens, page_size):
@@ -139,6 +153,7 @@ def main() -> None:
                                                                            "multiple of an even share")
     parser.add_argument("--graphs", action="store_true", help="replay decode from CUDA graphs (fixed exchange)")
     parser.add_argument("--ep-one-rank", action="store_true", help="a one-rank instance exchanges with itself")
+    parser.add_argument("--profile", action="store_true", help="rank 0 prints its kernels by device time")
     args = parser.parse_args()
     if args.graphs:
         if args.device != "cuda":

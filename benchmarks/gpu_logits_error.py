@@ -66,7 +66,9 @@ def dequantized_copy(model: DeepseekForCausalLM, backends: Backends) -> Deepseek
                     torch.bfloat16)
             param.copy_(source)
         for name, buffer in dense.named_buffers():
-            buffer.copy_(model.get_buffer(name))
+            source = model.get_buffer(name)
+            if source is not None:  # None: a fused projection, which FP8 linears do not have; here it views the weights
+                buffer.copy_(source)
     return dense
 
 

@@ -7,8 +7,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pdserve.bench.client import RequestResult
+from pdserve.bench.loop_watch import LoopStall
 
 PERCENTILES = (50, 90, 99)
+LONGEST_STALLS_KEPT = 10
 
 
 @dataclass(frozen=True)
@@ -41,8 +43,9 @@ def meets_slo(result: RequestResult, slo: SLO) -> bool:
 
 
 def summarize(results: list[RequestResult], duration_s: float, slo: SLO, prefix_cache_hit_ratio: float | None = None,
-              ) -> dict:
-    """The summary fields of a result JSON (see docs/benchmarks.md); latencies in seconds."""
+              client_stalls: list[LoopStall] = ()) -> dict:
+    """The summary fields of a result JSON (see docs/benchmarks.md); latencies in seconds. `client_stalls`: the
+    client's own event-loop stalls (pdserve/bench/loop_watch.py), the longest kept with their stacks."""
     completed = [r for r in results if r.ok]
     ttfts = [r.ttft_s for r in completed if r.ttft_s is not None]
     itls = [gap for r in completed for gap in r.itl_s]
@@ -68,6 +71,10 @@ def summarize(results: list[RequestResult], duration_s: float, slo: SLO, prefix_
         "prefix_cache_hit_ratio": prefix_cache_hit_ratio,
         "reported_cached_prompt_ratio": (sum(r.cached_tokens for r in completed) / prompt_tokens
                                          if prompt_tokens else None),
+        "client_stalls": len(client_stalls),
+        "client_stall_s": sum(stall.duration_s for stall in client_stalls),
+        "longest_client_stalls": [asdict(stall) for stall in
+                                  sorted(client_stalls, key=lambda stall: -stall.duration_s)[:LONGEST_STALLS_KEPT]],
     }
 
 
@@ -136,4 +143,16 @@ def summary_lines(summary: dict) -> str:
         f"goodput: {summary['goodput_requests_per_s']:.2f} req/s ({summary['slo_met_requests']} met TTFT <= "
         f"{summary['slo']['ttft_s']} s and own ITL p99 <= {summary['slo']['itl_p99_s']} s)",
         f"prefix-cache hit ratio (prefill side): {'-' if hit is None else f'{hit:.3f}'}",
+        f"client event-loop stalls over 50 ms: {stalls_text(summary)}",
     ])
+
+
+def stalls_text(summary: dict) -> str:
+    """The load generator's stalls: gaps it recorded across them are its own (summaries written before it had them
+    read as none)."""
+    longest = summary.get("longest_client_stalls") or []
+    if not longest:
+        return "none"
+    return (f"{summary['client_stalls']} ({summary['client_stall_s'] * 1e3:.0f} ms in all), longest "
+            f"{longest[0]['duration_s'] * 1e3:.0f} ms at {longest[0]['start_s']:.1f} s (garbage collection "
+            f"{longest[0]['gc_s'] * 1e3:.0f} ms of it)")

@@ -2,6 +2,7 @@
 scrape again, and assemble the result (config, summary, per-request records)."""
 
 import asyncio
+import gc
 import sys
 from dataclasses import asdict
 from urllib.parse import urlparse
@@ -9,6 +10,7 @@ from urllib.parse import urlparse
 from tqdm import tqdm
 
 from pdserve.bench.client import RequestResult, RunLimits, run_workload
+from pdserve.bench.loop_watch import LoopStall, LoopWatch
 from pdserve.bench.report import SLO, summarize
 from pdserve.bench.worker_metrics import hit_ratio_between, scrape_prefix_counters, worker_urls
 from pdserve.bench.workload import WorkloadConfig, generate_workload
@@ -39,8 +41,18 @@ def run_benchmark(url: str, workload: WorkloadConfig, slo: SLO, limits: RunLimit
         bar.update(1)
         bar.set_postfix(failed=failures, refresh=False)
 
+    # A full collection walks every object alive with the GIL held, and start-up's are many (with torch, ray and
+    # matplotlib imported, ~250k: 70-90 ms a collection on the 2-core machine), stalling the reads of every stream:
+    # they stay out of collections from here on (they live as long as the process anyway).
+    gc.freeze()
+
+    async def watched() -> tuple[list[RequestResult], float, list[LoopStall]]:
+        async with LoopWatch() as watch:
+            results, duration_s = await run_workload(url, requests, workload, limits, on_done)
+        return results, duration_s, watch.stalls
+
     try:
-        results, duration_s = asyncio.run(run_workload(url, requests, workload, limits, on_done))
+        results, duration_s, stalls = asyncio.run(watched())
     finally:
         bar.close()
     hit_ratio, per_rank = hit_ratio_between(before, scrape_prefix_counters(workers))
@@ -48,7 +60,7 @@ def run_benchmark(url: str, workload: WorkloadConfig, slo: SLO, limits: RunLimit
         "label": label,
         "url": url,
         "workload": asdict(workload),
-        "summary": summarize(results, duration_s, slo, hit_ratio),
+        "summary": summarize(results, duration_s, slo, hit_ratio, stalls),
         "prefix_cache_per_rank": per_rank,
         "requests": [
             {**asdict(result), "group": request.group, "turn": request.turn, "max_tokens": request.max_tokens}

@@ -1,6 +1,7 @@
 """`pdserve router`: the OpenAI-compatible front door."""
 
 import argparse
+import gc
 
 
 def add_router_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -21,7 +22,11 @@ def main_router(args: argparse.Namespace) -> int:
     config = router_config_from_args(args)
     print(f"pdserve router: serving {config.model_name} on http://{config.host}:{config.port}", flush=True)
     limits = SlowClientLimits(config.request_read_timeout_s, config.send_stall_timeout_s)
+    app = build_router_app(config)
+    # Start-up's objects (the tokenizer, templates, schemas) live as long as the process: a full collection walking
+    # them holds the GIL and stalls every stream the router forwards (benchmarks/gc_pause.py measures one).
+    gc.freeze()
     # On SIGTERM uvicorn stops accepting and lets the streams in flight finish, for at most drain_timeout_s.
-    uvicorn.run(build_router_app(config), host=config.host, port=config.port, log_level="warning", http=bounded_http(limits),
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", http=bounded_http(limits),
                 timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=config.drain_timeout_s)
     return 0

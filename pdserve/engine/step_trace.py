@@ -5,6 +5,7 @@ what a step costs in service; profile_fit.py turns a trace into a step profile f
 Lines are kept in memory and appended to the file whole, at most every FLUSH_INTERVAL_S while busy and whenever the
 loop goes idle, so a reader sees a trace at most that old and never half a line."""
 
+import gzip
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,5 +70,9 @@ class StepTrace:
 
 
 def read_trace(path: str | Path) -> list[StepRecord]:
+    """A trace as written, or gzipped (`.gz`: how the docs keep long ones)."""
     decoder = msgspec.json.Decoder(StepRecord)
-    return [decoder.decode(line) for line in Path(path).read_bytes().splitlines() if line.strip()]
+    raw = Path(path).read_bytes()
+    if str(path).endswith(".gz"):
+        raw = gzip.decompress(raw)
+    return [decoder.decode(line) for line in raw.splitlines() if line.strip()]

@@ -1,6 +1,7 @@
-"""The garbage collector as a source of step stalls. A full collection walks every object the collector tracks with
-the GIL held; after start-up (the model, torch.compile's graphs and guards, captured CUDA graphs, loaded kernels)
-that is a great many objects, and the step in progress stalls while it runs. `freeze_start_up_objects` moves every
+"""The garbage collector as a source of stalls. A full collection walks every object the collector tracks with the GIL
+held; after start-up (the model, torch.compile's graphs and guards, captured CUDA graphs, loaded kernels; in the
+worker's edge, the imports alone) that is a great many objects, and the rank's step in progress, or every stream the
+edge forwards, stalls while it runs. `freeze_start_up_objects` moves every
 object alive after warm-up out of the collector's sight (`gc.freeze`: start-up's objects live as long as the rank
 anyway), and `GcClock` adds up the time collections take, which the step trace records per turn."""
 

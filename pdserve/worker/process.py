@@ -17,6 +17,7 @@ from pdserve.wire.client import LazyWorkerSession, WorkerClient
 from pdserve.wire.protocol import API_VERSION, RankInfo, Reservation, ReservationQuery, WorkerInfo
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.drain import SHUTDOWN_AFTER_DRAIN_S, DrainGate, DrainingServer
+from pdserve.worker.gc_pauses import freeze_start_up_objects
 from pdserve.worker.http_app import Rank, RankSet, build_worker_app
 from pdserve.worker.instance import ExpertParallelInstance
 from pdserve.worker.rank_actors import RANK_START_TIMEOUT_S, connect_ray, start_ranks
@@ -50,6 +51,10 @@ def run_worker(cfg: WorkerConfig) -> None:
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
                             timeout_graceful_shutdown=SHUTDOWN_AFTER_DRAIN_S, timeout_keep_alive=KEEP_ALIVE_S,
                             http=bounded_http(SlowClientLimits(cfg.request_read_timeout_s)))
+    # The edge forwards every stream of the worker, and start-up left ~440k objects (torch, ray, the app) that a full
+    # collection would walk with the GIL held: ~190 ms on the 2-core machine (benchmarks/gc_pause.py), a stall of
+    # every stream at once. They live as long as the process; keep them out of collections.
+    freeze_start_up_objects()
     DrainingServer(config, gate, cfg.drain_timeout_s).run()
     print("pdserve worker: drained, exiting", flush=True)
 

@@ -26,3 +26,16 @@ def test_v2_lite_shaped_fp8_logits_stay_within_a_few_bf16_errors_of_float32():
                                device=torch.device("cuda"))
     assert errors["bf16"] < 2e-2, errors  # bf16's own error on these weights (1.15e-2 at 2 x 512, docs/benchmarks.md)
     assert errors["fp8"] < 8 * errors["bf16"], errors
+
+
+def test_fp8_model_and_its_dequantized_copy_agree_on_the_cpu():
+    """The CPU's FP8 linears dequantize before the product, so the copy must give the very same logits; the copy
+    also has to cope with the fused projections an FP8 model lacks (a None buffer broke it once)."""
+    raw = json.loads(DEFAULT_CONFIG.read_text()) | {
+        "quantization_config": FP8_QUANTIZATION, "num_hidden_layers": 2, "first_k_dense_replace": 1,
+        "n_routed_experts": 8, "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 512}
+    errors = fp8_logits_errors(ModelConfig.from_dict(raw), std=0.006, sequences=2, tokens=16, page_size=16,
+                               device=torch.device("cpu"))
+    assert errors["fp8"] == errors["bf16"], errors
+    assert errors["bf16"] < 2e-2, errors

@@ -1,0 +1,55 @@
+"""Fits a step profile for the simulated engine to step traces already taken in service (`pdserve worker --step-trace`,
+e.g. the decode and prefill traces of a P/D sweep), on a grid chosen to match where those steps fell: a sweep's
+decode batches sit at its workload's context, not at the kernel profile's 1k/4k grid. The KV figures (bytes per
+token, pool, write rate) are the base profile's unless --kv-write-gb-per-s says otherwise.
+
+    python benchmarks/fit_trace_profile.py docs/bench-gpu/pd-h200x2-2026-11-26/*.trace.* \
+        --batches 1,2,4,8,16,32,64,128 --contexts 2400 --prefill-tokens 1,1024,1536,2048,8192 --out profile.json
+"""
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from pdserve.engine.profile_fit import FitGrid, fit_profile
+from pdserve.engine.step_profile import DEFAULT_PROFILE, StepProfile
+from pdserve.engine.step_trace import read_trace
+
+
+def numbers(text: str, kind=int) -> tuple:
+    return tuple(kind(value) for value in text.split(","))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("traces", nargs="+")
+    parser.add_argument("--batches", required=True, help="decode batch points, ascending")
+    parser.add_argument("--contexts", required=True, help="decode mean-context points, ascending")
+    parser.add_argument("--prefill-tokens", required=True, help="prefill points (tokens of one prompt's chunk)")
+    parser.add_argument("--base", default=str(DEFAULT_PROFILE), help="profile whose KV figures are kept")
+    parser.add_argument("--kv-write-gb-per-s", type=float, help="the KV write rate to simulate instead of the base's")
+    parser.add_argument("--name", default="fitted to step traces taken in service")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    records = [record for path in args.traces for record in read_trace(path)]
+    base = StepProfile.load(args.base)
+    if args.kv_write_gb_per_s:
+        base = replace(base, kv_write_gb_per_s=args.kv_write_gb_per_s)
+    grid = FitGrid(numbers(args.batches), numbers(args.contexts, float), numbers(args.prefill_tokens))
+    fit = fit_profile(records, base, grid, args.name, "step traces: " + ", ".join(Path(p).name for p in args.traces))
+    Path(args.out).write_text(json.dumps(fit.profile, indent=1) + "\n")
+    decode = fit.profile["decode_ms"]
+    print(f"{len(records)} steps; decode ms (rows: batch, columns: context {decode['contexts']}):")
+    for batch, row, samples in zip(decode["batches"], decode["ms"], fit.profile["samples"]["decode"]):
+        print(f"  {batch:>4}: " + ", ".join(f"{ms:.2f} ({n} steps)" for ms, n in zip(row, samples)))
+    prefill = fit.profile["prefill_ms"]
+    print("prefill ms: " + ", ".join(f"{t} tokens {ms:.1f}" for t, ms in zip(prefill["tokens"], prefill["ms"])))
+    for line in fit.missing + fit.notes:
+        print(f"  {line}")
+    print(f"profile: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
