@@ -19,3 +19,12 @@ def test_the_profile_returns_its_measured_points_and_interpolates_between_them()
     assert interpolate(20_000, [1, 10], [1.0, 10.0]) == pytest.approx(20_000)  # extended past the last point
     assert interpolate(-5, [0, 10], [1.0, 0.0]) == pytest.approx(1.5)
     assert interpolate(50, [0, 10], [1.0, 0.0]) == 0.0  # never negative
+
+
+def test_every_shipped_profile_loads_and_prices_steps_that_grow_with_work():
+    profiles = sorted(DEFAULT_PROFILE.parent.glob("*.json"))
+    assert len(profiles) >= 2, profiles
+    for path in profiles:
+        profile = StepProfile.load(path)
+        assert 0 < profile.decode_step_ms(1, 2048) < profile.decode_step_ms(128, 2048), path
+        assert 0 < profile.prefill_step_ms(1) < profile.prefill_step_ms(8192), path
