@@ -4,12 +4,13 @@ watchdog thread takes the loop thread's stack while it is held, so a report can 
 collector holds the GIL without a Python frame to show, so the time it ran within each stall is kept apart."""
 
 import asyncio
-import gc
 import sys
 import threading
 import time
 import traceback
 from dataclasses import dataclass
+
+from pdserve.worker.gc_pauses import GcClock
 
 STACK_FRAMES = 8  # innermost frames kept per stall
 
@@ -33,21 +34,19 @@ class LoopWatch:
         self._last_beat_s = 0.0
         self._stacks: dict[int, str] = {}  # beat number -> stack taken while the loop was held after that beat
         self._stop = threading.Event()
-        self._gc_s = 0.0  # collector time since the watch began
         self._gc_at_last_beat_s = 0.0
-        self._gc_started_s: float | None = None
 
     async def __aenter__(self) -> "LoopWatch":
+        self._gc = GcClock()
         self._started_s = self._last_beat_s = time.perf_counter()
         self._loop_thread = threading.get_ident()
         self._beater = asyncio.create_task(self._beat())
         self._watchdog = threading.Thread(target=self._watch, name="loop-watchdog", daemon=True)
         self._watchdog.start()
-        gc.callbacks.append(self._on_collection)
         return self
 
     async def __aexit__(self, *exc) -> None:
-        gc.callbacks.remove(self._on_collection)
+        self._gc.close()
         self._stop.set()
         self._beater.cancel()
         await asyncio.gather(self._beater, return_exceptions=True)
@@ -60,17 +59,11 @@ class LoopWatch:
             late = now - self._last_beat_s - self.beat_s
             if late > self.threshold_s:
                 self.stalls.append(LoopStall(self._last_beat_s - self._started_s, late,
-                                             self._stacks.get(self._beats, ""), self._gc_s - self._gc_at_last_beat_s))
+                                             self._stacks.get(self._beats, ""),
+                                             self._gc.seconds - self._gc_at_last_beat_s))
             self._stacks.clear()
             self._beats += 1
-            self._last_beat_s, self._gc_at_last_beat_s = now, self._gc_s
-
-    def _on_collection(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._gc_started_s = time.perf_counter()
-        elif self._gc_started_s is not None:
-            self._gc_s += time.perf_counter() - self._gc_started_s
-            self._gc_started_s = None
+            self._last_beat_s, self._gc_at_last_beat_s = now, self._gc.seconds
 
     def _watch(self) -> None:
         while not self._stop.wait(self.threshold_s / 2):

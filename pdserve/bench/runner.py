@@ -41,19 +41,20 @@ def run_benchmark(url: str, workload: WorkloadConfig, slo: SLO, limits: RunLimit
         bar.update(1)
         bar.set_postfix(failed=failures, refresh=False)
 
-    # A full collection walks every object alive with the GIL held, and start-up's are many (with torch, ray and
-    # matplotlib imported, ~250k: 70-90 ms a collection on the 2-core machine), stalling the reads of every stream:
-    # they stay out of collections from here on (they live as long as the process anyway).
-    gc.freeze()
-
     async def watched() -> tuple[list[RequestResult], float, list[LoopStall]]:
         async with LoopWatch() as watch:
             results, duration_s = await run_workload(url, requests, workload, limits, on_done)
         return results, duration_s, watch.stalls
 
+    # A full collection walks every object alive with the GIL held, and a process that imported torch, ray and
+    # matplotlib holds ~250k (70-100 ms a collection on the 2-core machine), a stall of every stream's reads: what is
+    # alive now stays out of collections while the replay runs, and goes back in after it (a caller's objects that
+    # die later must still be collectable).
+    gc.freeze()
     try:
         results, duration_s, stalls = asyncio.run(watched())
     finally:
+        gc.unfreeze()
         bar.close()
     hit_ratio, per_rank = hit_ratio_between(before, scrape_prefix_counters(workers))
     return {
