@@ -27,6 +27,8 @@ def main() -> None:
     parser.add_argument("--batches", required=True, help="decode batch points, ascending")
     parser.add_argument("--contexts", required=True, help="decode mean-context points, ascending")
     parser.add_argument("--prefill-tokens", required=True, help="prefill points (tokens of one prompt's chunk)")
+    parser.add_argument("--every-prefill-step", action="store_true", help="prefill points from steps of several "
+                        "prompts too, by their tokens (a loaded P/D prefill worker), not one prompt's chunk alone")
     parser.add_argument("--base", default=str(DEFAULT_PROFILE), help="profile whose KV figures are kept")
     parser.add_argument("--kv-write-gb-per-s", type=float, help="the KV write rate to simulate instead of the base's")
     parser.add_argument("--name", default="fitted to step traces taken in service")
@@ -38,7 +40,10 @@ def main() -> None:
     if args.kv_write_gb_per_s:
         base = replace(base, kv_write_gb_per_s=args.kv_write_gb_per_s)
     grid = FitGrid(numbers(args.batches), numbers(args.contexts, float), numbers(args.prefill_tokens))
-    fit = fit_profile(records, base, grid, args.name, "step traces: " + ", ".join(Path(p).name for p in args.traces))
+    source = "step traces: " + ", ".join(Path(p).name for p in args.traces)
+    if args.every_prefill_step:
+        source += "; prefill points from every prefill-only step, several prompts' too"
+    fit = fit_profile(records, base, grid, args.name, source, args.every_prefill_step)
     Path(args.out).write_text(json.dumps(fit.profile, indent=1) + "\n")
     decode = fit.profile["decode_ms"]
     print(f"{len(records)} steps; decode ms (rows: batch, columns: context {decode['contexts']}):")

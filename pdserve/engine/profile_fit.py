@@ -54,10 +54,13 @@ class ProfileFit:
 
 
 def fit_profile(records: Iterable[StepRecord], base: StepProfile, grid: FitGrid, name: str,
-                source: str) -> ProfileFit:
+                source: str, every_prefill_step: bool = False) -> ProfileFit:
     """A profile of `records`' medians on `grid`; the KV figures (bytes per token, pool, write rate) are `base`'s.
-    Raises ValueError when no decode point or no prefill point has a step."""
-    decode_turns, prefill_turns = _binned(records, grid)
+    `every_prefill_step`: prefill points from every prefill-only step by its tokens, several prompts' chunks
+    together too (a loaded P/D prefill worker runs mostly those, and they cost more than one prompt's chunk of the
+    same tokens), not only one prompt's chunk alone. Raises ValueError when no decode point or no prefill point has
+    a step."""
+    decode_turns, prefill_turns = _binned(records, grid, every_prefill_step)
     fit = ProfileFit({})
     rows, columns = _complete_grid(grid, decode_turns, fit.missing)
     if not rows or not columns:
@@ -94,8 +97,8 @@ def fit_profile(records: Iterable[StepRecord], base: StepProfile, grid: FitGrid,
     return fit
 
 
-def _binned(records: Iterable[StepRecord],
-            grid: FitGrid) -> tuple[dict[tuple[int, int], list[float]], dict[int, list[float]]]:
+def _binned(records: Iterable[StepRecord], grid: FitGrid,
+            every_prefill_step: bool) -> tuple[dict[tuple[int, int], list[float]], dict[int, list[float]]]:
     """Turn times by decode grid cell (batch index, context index) and by prefill point index."""
     decode_turns: dict[tuple[int, int], list[float]] = {}
     prefill_turns: dict[int, list[float]] = {}
@@ -106,7 +109,7 @@ def _binned(records: Iterable[StepRecord],
             c = grid.nearest(shape.decode_context, grid.decode_contexts)
             if b is not None and c is not None:
                 decode_turns.setdefault((b, c), []).append(record.turn_ms)
-        elif not shape.decode_batch and shape.prefill_seqs == 1:
+        elif not shape.decode_batch and (shape.prefill_seqs == 1 or every_prefill_step and shape.prefill_seqs):
             p = grid.nearest(shape.prefill_tokens, grid.prefill_tokens)
             if p is not None:
                 prefill_turns.setdefault(p, []).append(record.turn_ms)

@@ -75,6 +75,15 @@ def test_a_trace_with_no_decode_only_step_fits_nothing():
         fit_profile(prefill(1024, 50), KERNEL, GRID, "in service", "prefill only")
 
 
+def test_every_prefill_step_also_prices_steps_of_several_prompts_by_their_tokens():
+    trace = full_trace() + prefill(1024, 80, 82, seqs=2)
+    one_prompt = fit_profile(trace, KERNEL, GRID, "in service", "one prompt's chunks")
+    every_step = fit_profile(trace, KERNEL, GRID, "in service", "every prefill step", every_prefill_step=True)
+    assert one_prompt.profile["prefill_ms"]["ms"][1] == 52  # 50, 54, 52: the several-prompt steps left out
+    assert every_step.profile["prefill_ms"]["ms"][1] == 67  # 50, 52, 54, 80, 82, 999: the median of all six
+    assert every_step.profile["samples"]["prefill"][1] == 6
+
+
 def test_a_trace_file_reads_back_what_was_recorded(tmp_path):
     trace = StepTrace(tmp_path / "t.rank0", flush_interval_s=3600)
     trace.record(StepShape(4, 100.5), started_s=10.0, engine_ms=1.25, ended_s=10.002)
