@@ -163,3 +163,22 @@ def test_a_worker_started_with_step_trace_writes_its_ranks_file(tiny_v2, tmp_pat
     assert [(r.shape.prefill_tokens, r.shape.decode_batch, r.shape.decode_context) for r in records] == [
         (16, 0, 0), (16, 0, 0), (13, 0, 0), (0, 1, 46), (0, 1, 47), (0, 1, 48), (0, 1, 49)]
     assert Path(rank_trace_path(str(trace), "both", 0)).read_bytes().endswith(b"\n")
+
+
+def test_the_trace_summary_groups_decode_steps_by_batch_and_prefill_steps_by_tokens_and_prompts(tmp_path, capsys,
+                                                                                                monkeypatch):
+    from benchmarks import step_trace_summary
+
+    trace = StepTrace(tmp_path / "t.rank0", flush_interval_s=3600)
+    for shape, engine_ms in ((StepShape(40, 2000.0), 12.0), (StepShape(41, 2100.0), 14.0),
+                             (StepShape(prefill_tokens=1500, prefill_seqs=1), 73.0),
+                             (StepShape(prefill_tokens=8192, prefill_seqs=3), 120.0)):
+        trace.record(shape, started_s=0.0, engine_ms=engine_ms, ended_s=engine_ms / 1000)
+    trace.close()
+    monkeypatch.setattr("sys.argv", ["step_trace_summary.py", str(tmp_path / "t.rank0")])
+    step_trace_summary.main()
+    out = capsys.readouterr().out
+    assert "2 decode-only, 2 prefill-only" in out
+    assert "| 32-63 | 2 | 2,050 | 13.0 / 13.8 |" in out  # percentiles interpolated between the two steps
+    assert "| 1025-2048, one prompt | 1 | 1,500 | 73.0 / 73.0 |" in out
+    assert "| 4097-8192, several prompts | 1 | 8,192 | 120.0 / 120.0 |" in out
