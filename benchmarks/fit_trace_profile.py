@@ -1,15 +1,15 @@
 """Fits a step profile for the simulated engine to step traces already taken in service (`pdserve worker --step-trace`,
 e.g. the decode and prefill traces of a P/D sweep), on a grid chosen to match where those steps fell: a sweep's
 decode batches sit at its workload's context, not at the kernel profile's 1k/4k grid. The KV figures (bytes per
-token, pool, write rate) are the base profile's unless --kv-write-gb-per-s says otherwise.
+token, pool, write rate) are the base profile's.
 
-    python benchmarks/fit_trace_profile.py docs/bench-gpu/pd-h200x2-2026-11-26/*.trace.* \
-        --batches 1,2,4,8,16,32,64,128 --contexts 2400 --prefill-tokens 1,1024,1536,2048,8192 --out profile.json
+    python benchmarks/fit_trace_profile.py docs/bench-gpu/pd-h200x2-2026-11-26/*.trace.*.gz \
+        --batches 1,2,4,8,16,32,64,128,192 --contexts 2400 --prefill-tokens 1,1024,1536,2048,4096,8192 \
+        --every-prefill-step --out profile.json     # pdserve/engine/profiles/v2-lite-h200-pd-service.json
 """
 
 import argparse
 import json
-from dataclasses import replace
 from pathlib import Path
 
 from pdserve.engine.profile_fit import FitGrid, fit_profile
@@ -30,15 +30,12 @@ def main() -> None:
     parser.add_argument("--every-prefill-step", action="store_true", help="prefill points from steps of several "
                         "prompts too, by their tokens (a loaded P/D prefill worker), not one prompt's chunk alone")
     parser.add_argument("--base", default=str(DEFAULT_PROFILE), help="profile whose KV figures are kept")
-    parser.add_argument("--kv-write-gb-per-s", type=float, help="the KV write rate to simulate instead of the base's")
     parser.add_argument("--name", default="fitted to step traces taken in service")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
     records = [record for path in args.traces for record in read_trace(path)]
     base = StepProfile.load(args.base)
-    if args.kv_write_gb_per_s:
-        base = replace(base, kv_write_gb_per_s=args.kv_write_gb_per_s)
     grid = FitGrid(numbers(args.batches), numbers(args.contexts, float), numbers(args.prefill_tokens))
     source = "step traces: " + ", ".join(Path(p).name for p in args.traces)
     if args.every_prefill_step:

@@ -17,7 +17,8 @@ from pdserve.engine.step_trace import StepRecord, read_trace
 PREFILL_TOKEN_BOUNDS = (1024, 2048, 4096, 8192)  # a row per range up to each bound, and one past the last
 
 
-def print_table(key: str, extra: str, rows: dict[tuple, list[StepRecord]], label, mean_extra) -> None:
+def print_table(key: str, extra: str, rows: dict, label, mean_extra) -> None:
+    """One row per key of `rows` (sorted), named by `label(key)`; the third column averages `mean_extra(step)`."""
     print(f"| {key} | steps | {extra} | engine p50 / p90 | turn p50 / p99 | device wait p50 | gc ms (max) |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for row in sorted(rows):
@@ -53,13 +54,13 @@ def main() -> None:
     print(f"{args.trace}: {len(records)} steps over {span_s:.1f} s, {len(decodes)} decode-only, {len(prefills)} "
           f"prefill-only; garbage collection {sum(r.gc_ms for r in records):.0f} ms in all\n")
     if decodes:
-        by_batch: dict[tuple, list[StepRecord]] = defaultdict(list)
+        by_batch: dict[int, list[StepRecord]] = defaultdict(list)
         for r in decodes:
-            by_batch[(r.shape.decode_batch // args.bucket * args.bucket,)].append(r)
-        print_table("batch", "mean context", by_batch, lambda row: f"{row[0]}-{row[0] + args.bucket - 1}",
+            by_batch[r.shape.decode_batch // args.bucket * args.bucket].append(r)
+        print_table("batch", "mean context", by_batch, lambda low: f"{low}-{low + args.bucket - 1}",
                     lambda r: r.shape.decode_context)
     if prefills:
-        by_tokens: dict[tuple, list[StepRecord]] = defaultdict(list)
+        by_tokens: dict[tuple[int, bool], list[StepRecord]] = defaultdict(list)
         for r in prefills:
             by_tokens[(token_range(r.shape.prefill_tokens), r.shape.prefill_seqs > 1)].append(r)
         print_table("prefill tokens", "mean tokens", by_tokens,

@@ -73,4 +73,3 @@ class LoopWatch:
             frame = sys._current_frames().get(self._loop_thread)
             if frame is not None:
                 self._stacks[beat] = "".join(traceback.format_stack(frame)[-STACK_FRAMES:])
-

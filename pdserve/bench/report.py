@@ -3,6 +3,7 @@ prefix-cache hit ratio; writes it as JSON and compares two results in one table.
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -43,7 +44,7 @@ def meets_slo(result: RequestResult, slo: SLO) -> bool:
 
 
 def summarize(results: list[RequestResult], duration_s: float, slo: SLO, prefix_cache_hit_ratio: float | None = None,
-              client_stalls: list[LoopStall] = ()) -> dict:
+              client_stalls: Sequence[LoopStall] = ()) -> dict:
     """The summary fields of a result JSON (see docs/benchmarks.md); latencies in seconds. `client_stalls`: the
     client's own event-loop stalls (pdserve/bench/loop_watch.py), the longest kept with their stacks."""
     completed = [r for r in results if r.ok]
