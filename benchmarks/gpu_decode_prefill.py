@@ -292,11 +292,11 @@ def main() -> None:
     reference = float32_reference_logits(model, ids, positions, batch, last_rows)
     logits_err = ((logits - reference).norm() / reference.norm()).item()
     log(f"logits rel err vs float32: {logits_err:.2e} (nan: {bool(torch.isnan(logits).any())})")
+    layers = None  # the layers' regions compiled (and the grouped experts), as the engine's eager steps run them
     if on_cuda and not args.no_compile:  # the same prefill with the layers' regions compiled (expanded form)
         with torch.inference_mode():
             layers = compile_layers(model)
-            backends = replace(model.backends, moe=layers.moe)
-            hidden = model(ids, positions, kv_cache, batch, backends, layers.regions)
+            hidden = model(ids, positions, kv_cache, batch, replace(model.backends, moe=layers.moe), layers.regions)
             compiled = model.compute_logits(hidden[last_rows])
         log(f"logits rel err vs float32, compiled regions: {((compiled - reference).norm() / reference.norm()).item():.2e}")
 
@@ -315,18 +315,21 @@ def main() -> None:
     for n in prefills:
         ids, positions, last_rows = step_inputs([n], [n], cfg.vocab_size, device)
 
-        def prefill_step():
+        def prefill_step(compiled: CompiledLayers | None = None):
             step_batch = contiguous_batch([n], [n], args.page_size, device)
-            return model.compute_logits(model(ids, positions, kv_cache, step_batch)[last_rows])
+            backends, regions = (replace(model.backends, moe=compiled.moe), compiled.regions) if compiled else (None,
+                                                                                                                None)
+            return model.compute_logits(model(ids, positions, kv_cache, step_batch, backends, regions)[last_rows])
 
         with torch.inference_mode():
             ms = timed_ms(prefill_step, device, warmup=1, iters=3)
+            compiled_ms = timed_ms(lambda: prefill_step(layers), device, warmup=1, iters=3) if layers else float("nan")
         model_width = cfg.qk_head_dim + cfg.v_head_dim
         fraction = prefill_flop(model, n, model_width) / (ms / 1e3) / flop_per_s
         absorbed_fraction = prefill_flop(model, n, 2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim) / (ms / 1e3) / flop_per_s
-        prefill_rows.append((n, ms, n / (ms / 1e3), fraction, absorbed_fraction))
-        log(f"prefill {n}: {ms:.1f} ms, {n / (ms / 1e3):,.0f} tok/s, {fraction:.0%} of matmul peak "
-            f"({absorbed_fraction:.0%} counting absorbed-form attention)")
+        prefill_rows.append((n, ms, compiled_ms, n / (ms / 1e3), fraction, absorbed_fraction))
+        log(f"prefill {n}: {ms:.1f} ms eager, {compiled_ms:.1f} ms compiled regions, {n / (ms / 1e3):,.0f} tok/s, "
+            f"{fraction:.0%} of matmul peak ({absorbed_fraction:.0%} counting absorbed-form attention)")
         if args.profile_prefill == n:
             with torch.inference_mode():
                 profile_step(prefill_step, log)
@@ -349,10 +352,11 @@ def main() -> None:
             f"{r['graph_ms']:.2f} | {r['regions_ms']:.2f} | {r['compiled_ms']:.2f} | {r['logits_diff']:.1e} | "
             f"{r['ratio']:.0%} |")
     log("")
-    log("| prefill tokens | time (ms) | tokens/s | fraction of bf16 matmul peak | same, absorbed-form attention FLOPs |")
-    log("|---|---|---|---|---|")
-    for n, ms, tps, fraction, absorbed_fraction in prefill_rows:
-        log(f"| {n} | {ms:.1f} | {tps:,.0f} | {fraction:.0%} | {absorbed_fraction:.0%} |")
+    log("| prefill tokens | eager (ms) | compiled regions (ms) | eager tokens/s | eager fraction of bf16 matmul peak | "
+        "same, absorbed-form attention FLOPs |")
+    log("|---|---|---|---|---|---|")
+    for n, ms, compiled_ms, tps, fraction, absorbed_fraction in prefill_rows:
+        log(f"| {n} | {ms:.1f} | {compiled_ms:.1f} | {tps:,.0f} | {fraction:.0%} | {absorbed_fraction:.0%} |")
     log("")
     log(f"HBM read {bytes_per_s / 1e12:.2f} TB/s, matmul {flop_per_s / 1e12:.0f} TFLOP/s, "
         f"full-model logits rel err vs float32 {logits_err:.2e}")

@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--overlap-scheduling", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--compile-layers", choices=("auto", "on", "off"), default="auto")
+    parser.add_argument("--compile-eager-steps", choices=("on", "off"), default="on")
     args = parser.parse_args()
 
     model_dir = Path(tempfile.mkdtemp())
@@ -47,6 +48,7 @@ def main() -> None:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.prompt + args.output, enable_prefix_cache=False, cuda_graphs=not args.no_cuda_graphs,
         progress=False, overlap_scheduling=args.overlap_scheduling, compile_layers=args.compile_layers,
+        compile_eager_steps=args.compile_eager_steps == "on",
     ))
     vocab = engine.model_config.vocab_size
     sampling = SamplingParams(max_tokens=args.output, temperature=0.0, ignore_eos=True)

@@ -39,6 +39,10 @@ class EngineConfig:
                 "residuals, routing, the grouped experts' sort and gathers) with torch.compile into fused kernels "
                 "inside the decode CUDA graphs; compiled at start-up (tens of seconds). auto: on for bf16 on CUDA "
                 "unless FP8 linears are kept")
+    compile_eager_steps: bool = setting(
+        True, "where layers are compiled, steps outside the decode graphs (prefill chunks, mixed steps) run them "
+              "compiled too: one graph for every token count, a few fused kernels a region instead of the ~85 "
+              "launches a layer that made an eager step host-bound")
     expert_exchange: Literal["auto", "fixed", "splits"] = setting(
         "auto", "expert parallelism's exchange in decode steps. fixed: C rows per peer, no host wait, so decode runs "
                 "under CUDA graphs (a step where some rank's pairs overflow C runs again with split sizes); splits: "

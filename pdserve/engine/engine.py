@@ -152,7 +152,7 @@ class Engine:
             self.fixed_exchange = exchange if fixed else None
             compiled = compile_layers(model) if wants_compiled_layers(cfg.compile_layers, model) else None
             self.runner = ModelRunner(model, num_pages, cfg.page_size, self.device, self.dtype, graphs,
-                                      self.fixed_exchange, compiled)
+                                      self.fixed_exchange, compiled, cfg.compile_eager_steps)
             self.expert_weight_bytes = model.routed_expert_bytes()
             load = model.backends.expert_load
             self._expert_counts = ExpertCountsReader(load) if load is not None else None

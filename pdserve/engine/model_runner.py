@@ -11,19 +11,24 @@ from pdserve.model.compiled_layers import CompiledLayers
 from pdserve.model.deepseek import DeepseekForCausalLM
 from pdserve.ops.attention import AttentionBatch
 from pdserve.ops.moe_ep import ExpertParallelMoE
+from pdserve.ops.select import Backends
 
 
 class ModelRunner:
     def __init__(self, model: DeepseekForCausalLM, num_pages: int, page_size: int, device: torch.device,
                  dtype: torch.dtype, graphs: DecodeGraphConfig | None = None,
-                 fixed_exchange: ExpertParallelMoE | None = None, compiled: CompiledLayers | None = None):
+                 fixed_exchange: ExpertParallelMoE | None = None, compiled: CompiledLayers | None = None,
+                 compile_eager_steps: bool = False):
         """`fixed_exchange`: the expert-parallel MoE backend, where decode steps use its fixed-capacity exchange.
-        `compiled`: the layers' compiled regions, captured in the decode graphs. Eager steps (prefill chunks) stay
-        uncompiled: run compiled too, bf16 rows rounded differently by step shape, and overlapped and synchronous
-        runs of one workload no longer gave the same greedy tokens on an H100 (docs/benchmarks.md)."""
+        `compiled`: the layers' compiled regions, captured in the decode graphs, and with `compile_eager_steps` run
+        by the steps outside them too (prefill chunks, mixed steps)."""
         cfg = model.cfg
         self.model = model
         self.compiled = compiled
+        self._eager_backends, self._eager_regions = model.backends, None
+        if compiled is not None and compile_eager_steps:
+            self._eager_backends = Backends(model.backends.attention, compiled.moe, model.backends.expert_load)
+            self._eager_regions = compiled.regions
         self.page_size = page_size
         self.device = device
         self.fixed_exchange = fixed_exchange
@@ -104,7 +109,7 @@ class ModelRunner:
         if self.fixed_exchange is not None:
             self.fixed_exchange.fixed_tokens = fixed_tokens
         try:
-            hidden = self.model(ids, pos, self.kv_cache, batch)
+            hidden = self.model(ids, pos, self.kv_cache, batch, self._eager_backends, self._eager_regions)
         finally:
             if self.fixed_exchange is not None:
                 self.fixed_exchange.fixed_tokens = None
