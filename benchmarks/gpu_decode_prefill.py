@@ -333,6 +333,9 @@ def main() -> None:
         if args.profile_prefill == n:
             with torch.inference_mode():
                 profile_step(prefill_step, log)
+                if layers:
+                    log(f"prefill {n} with compiled regions:")
+                    profile_step(lambda: prefill_step(layers), log)
 
     decode_rows = []
     for context in contexts:

@@ -1,7 +1,7 @@
 """The decoder layers' own tensor work compiled by inductor (torch.compile): the regions between the attention and
-expert kernels, and the grouped routed experts' glue. Captured inside the decode CUDA graphs (eager steps stay
-uncompiled: pdserve.engine.model_runner says why); compiled on first use, once for every layer and batch size (1
-aside)."""
+expert kernels, and the grouped routed experts' glue. Captured inside the decode CUDA graphs, and run by the steps
+outside them (prefill chunks, mixed steps) unless the engine is told otherwise; compiled on first use, once for every
+layer and token count (1 aside)."""
 
 from collections.abc import Callable
 from dataclasses import dataclass
