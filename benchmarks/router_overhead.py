@@ -2,7 +2,8 @@
 sent straight to the stand-in ("direct"), in one run on one machine.
 
 The stand-in (`stand-in` subcommand, started by `run` as its own process) is not a worker: it speaks the internal API
-the router needs (health, info, load, KV events, generate answering every token at once as NDJSON TokenEvents) and,
+the router needs (health, info, load, KV events, generate answering every token at once as one NDJSON TokenEvent, as
+a worker's edge writes the tokens a request has queued, or paced, one event per token) and,
 for the direct baseline, answers `/v1/completions` itself with the same tokens in OpenAI's shape. So direct costs
 one HTTP exchange with no routing, and router - direct is the router's overhead.
 
@@ -116,9 +117,13 @@ def stand_in_app(token: str, token_interval_s: float):
             return await answer(send, 200, b"{}")
         if path == "/internal/v1/generate":
             request = decode_request(await body_of(receive))
-            n = request.sampling.max_tokens
-            lines = [msgspec.json.encode(TokenEvent(request.request_id, [TOKEN_ID], prompt_tokens=len(
-                request.prompt_token_ids), finish_reason="length" if i == n - 1 else None)) for i in range(n)]
+            n, prompt_tokens = request.sampling.max_tokens, len(request.prompt_token_ids)
+            if not token_interval_s:  # every token ready at once: one event, as a worker's edge writes what queued
+                event = TokenEvent(request.request_id, [TOKEN_ID] * n, prompt_tokens=prompt_tokens,
+                                   finish_reason="length")
+                return await answer(send, 200, msgspec.json.encode(event) + b"\n", b"application/x-ndjson")
+            lines = [msgspec.json.encode(TokenEvent(request.request_id, [TOKEN_ID], prompt_tokens=prompt_tokens,
+                                                    finish_reason="length" if i == n - 1 else None)) for i in range(n)]
             return await stream(send, [line + b"\n" for line in lines], b"application/x-ndjson")
         return await answer(send, 404, b"{}")
 
