@@ -143,6 +143,7 @@ class Sender:
             result = written.result()
             self._counters.kv_transfer_bytes += result.num_bytes
             self._counters.kv_transfer_descriptors += result.num_descriptors
+            self._counters.kv_transfer_posting_seconds += result.posting_seconds
             self._counters.kv_transfer_seconds.append(result.seconds)
             self._finish(sending, SenderState.DONE, first)
         else:

@@ -22,6 +22,9 @@ class WriteResult:
     num_bytes: int
     num_descriptors: int  # byte ranges moved: one per (layer, run of pages consecutive on both sides)
     seconds: float  # from asking for the write to seeing it complete (its wait to be posted included)
+    # Of those, from asking until NIXL had the write: the wait for the transfer thread and the descriptors' making
+    # (0 where a backend moves the bytes as it is asked).
+    posting_seconds: float = 0.0
 
 
 class TransferBackend(Protocol):

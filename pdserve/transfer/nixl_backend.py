@@ -153,7 +153,8 @@ class NixlBackend:
             handle = write.handle
             if state == "done":
                 seconds = time.monotonic() - write.requested_s
-                write.future.set_result(WriteResult(handle.num_bytes, handle.num_descriptors, seconds))
+                write.future.set_result(WriteResult(handle.num_bytes, handle.num_descriptors, seconds,
+                                                    handle.started_s - write.requested_s))
             elif state == "error":
                 write.future.set_exception(TransferError(f"write to {handle.peer!r} failed: {handle.error}"))
             else:

@@ -56,6 +56,9 @@ class WorkerMetrics:
                                              lambda s, c: c.kv_transfer_failures),
             "pdserve_kv_transfer_descriptors": ("Byte ranges the KV writes moved (one per layer and page run)",
                                                 lambda s, c: c.kv_transfer_descriptors),
+            "pdserve_kv_transfer_posting_seconds": (
+                "Seconds of the KV writes' time before NIXL had them (the transfer thread's queue and the "
+                "descriptors' making), summed", lambda s, c: c.kv_transfer_posting_seconds),
             "pdserve_kv_reservations_refused": ("Reservation queries refused (unknown request, wrong token, twice)",
                                                 lambda s, c: c.reservations_refused),
             "pdserve_kv_notifications_rejected": ("KV notifications for no reservation awaiting one",

@@ -38,8 +38,8 @@ from pdserve.worker.rank_runtime import RankConfig, RankRuntime, RankStats
 log = logging.getLogger(__name__)
 RANK_START_TIMEOUT_S = 600.0
 MAX_RANK_RESTARTS = 3
-PROCESS_GROUP_TIMEOUT_S = 60.0
-GIL_SWITCH_INTERVAL_S = 0.0005  # a collective waiting longer than this on a peer fails instead of hanging
+PROCESS_GROUP_TIMEOUT_S = 60.0  # a collective waiting longer than this on a peer fails instead of hanging
+GIL_SWITCH_INTERVAL_S = 0.0005  # how soon another thread of the rank gets the GIL from a busy step thread
 
 
 @ray.remote(max_restarts=MAX_RANK_RESTARTS, max_task_retries=0, max_concurrency=1000)

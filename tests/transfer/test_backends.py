@@ -67,6 +67,7 @@ def test_a_write_lands_exactly_and_notifies_once_from_the_backend_thread(pair):
     assert thread_name.startswith("kv-transfer-")
     assert result.num_bytes == len(src) * NUM_LAYERS * PAGE_SIZE * KV_DIM * 4
     assert result.num_descriptors == 2 * NUM_LAYERS  # runs 0-2 -> 3-5 and 7 -> 19, per layer
+    assert 0.0 <= result.posting_seconds <= result.seconds
     expected[:, dst] = writer_kv[:, src]
     assert torch.equal(reader_kv, expected)
     assert notifications.received.empty()
@@ -163,6 +164,28 @@ def test_a_vram_write_lands_exactly_on_the_gpu(progress_thread):
         assert notifications.next()[1] == b"vram"
         expected[:, [4, 5, 6, 0]] = writer_kv[:, [0, 1, 2, 9]].to(reader_device)
         assert torch.equal(reader_kv, expected)
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_a_write_waiting_for_the_transfer_thread_counts_that_wait_as_time_before_posting():
+    """The NIXL backend's thread runs one command at a time: a write asked for while it is busy waits, and that wait
+    is reported apart from the time NIXL took."""
+    notifications = Notifications()
+    suffix = uuid.uuid4().hex[:8]
+    writer = open_nixl_backend(f"writer-{suffix}", pool(12, seed=0), lambda *_: None, progress_thread=False)
+    reader = open_nixl_backend(f"reader-{suffix}", pool(20, seed=1), notifications, progress_thread=False)
+    try:
+        peer = writer.add_peer(reader.metadata()).result(WAIT_S)
+        reader.expect_notifications(1)
+        release = threading.Event()
+        writer._commands.put(lambda: release.wait(WAIT_S))  # a command that holds the thread until released
+        written = writer.write(peer, [0, 1], [2, 3], b"req-1", timeout_s=WAIT_S)
+        threading.Timer(0.2, release.set).start()
+        result = written.result(WAIT_S)
+        assert notifications.next()[1] == b"req-1"
+        assert 0.2 <= result.posting_seconds <= result.seconds
     finally:
         writer.close()
         reader.close()
