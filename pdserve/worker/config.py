@@ -43,12 +43,20 @@ class WorkerConfig:
     nixl_progress_thread: bool | None = setting(None, "NIXL's own progress thread (spins a core): auto = on for GPU "
                                                       "pools, off on the CPU")
     warmup: bool = setting(True, "run every kernel variant once before reporting ready")
+    gil_switch_interval_ms: float = setting(
+        0.5, "how soon a rank's other threads (KV transfer, event loop) get the GIL from a step thread running Python "
+             "(Python's default is 5 ms). Lower makes KV writes complete sooner under load and interrupts the step "
+             "thread more often (benchmarks/kv_write_gil.py)")
     stuck_step_timeout_s: float = setting(300.0, "a rank whose step loop has not moved on for this long is unhealthy "
                                                  "(a long step is not)")
     step_trace: str = setting("", "append one JSON line per busy engine step to this file (rank N of a ROLE "
                                   "worker writes FILE.ROLE.rankN): the step's shape and the step loop's turn time, "
                                   "from warm-up's end on (docs/simulation.md)", parse=os.path.abspath)
     test_step_delay_s: float = setting(0.0, "test hook: each step after warm-up sleeps this long first", hidden=True)
+
+    def __post_init__(self) -> None:
+        if self.gil_switch_interval_ms <= 0:
+            raise ValueError(f"gil_switch_interval_ms must be > 0, got {self.gil_switch_interval_ms}")
 
     @property
     def url(self) -> str:

@@ -66,7 +66,8 @@ def rank_configs(cfg: WorkerConfig) -> list[RankConfig]:
                    prefill_timeout_s=cfg.prefill_timeout_s, world_size=cfg.num_ranks,
                    expert_parallel=cfg.expert_parallel, internal_token=cfg.internal_token,
                    nixl_progress_thread=cfg.nixl_progress_thread,
-                   warmup=cfg.warmup, test_step_delay_s=cfg.test_step_delay_s, step_trace=cfg.step_trace)
+                   warmup=cfg.warmup, test_step_delay_s=cfg.test_step_delay_s, step_trace=cfg.step_trace,
+                   gil_switch_interval_s=cfg.gil_switch_interval_ms / 1e3)
         for i in range(cfg.num_ranks)
     ]
 

@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 RANK_START_TIMEOUT_S = 600.0
 MAX_RANK_RESTARTS = 3
 PROCESS_GROUP_TIMEOUT_S = 60.0  # a collective waiting longer than this on a peer fails instead of hanging
-GIL_SWITCH_INTERVAL_S = 0.0005  # how soon another thread of the rank gets the GIL from a busy step thread
 
 
 @ray.remote(max_restarts=MAX_RANK_RESTARTS, max_task_retries=0, max_concurrency=1000)
@@ -54,7 +53,7 @@ class RankActor:
             torch.set_num_threads(1)  # ranks share the host's cores; one thread each avoids oversubscription
         # The transfer thread gets the GIL within this long of asking even while the step thread runs Python (the
         # default 5 ms would add up to 5 ms to every KV write's completion and notification).
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        sys.setswitchinterval(cfg.gil_switch_interval_s)
         self.cfg = cfg
         # An expert-parallel rank builds its runtime in join(), once every rank of its instance exists.
         self.runtime: RankRuntime | None = None if cfg.expert_parallel else RankRuntime(cfg)
