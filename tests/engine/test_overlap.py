@@ -325,13 +325,12 @@ def assert_divergences_are_near_ties(sync: Run, overlapped: Run) -> list[tuple[s
     noise seen between the runs on the positions before (the chosen token's log-probability, run against run) plus
     two bf16 steps of the logits. A wrong input token (a logic error) gives no such near tie. Returns (request,
     position, summed margins) of every divergence."""
-    noise = [abs(a - b) for rid in sync.tokens
-             for i, (a, b) in enumerate(zip(sync.logprobs[rid], overlapped.logprobs[rid]))
-             if i < (first_divergence(sync, overlapped, rid) or len(sync.tokens[rid]))]
+    agreed = {rid: first_divergence(sync, overlapped, rid) for rid in sync.tokens}  # positions before it agree
+    noise = [abs(a - b) for rid, end in agreed.items()
+             for a, b in list(zip(sync.logprobs[rid], overlapped.logprobs[rid]))[:end]]
     tolerance = 4 * max(noise, default=0.0) + BF16_LOGIT_STEPS
     found = []
-    for rid in sync.tokens:
-        i = first_divergence(sync, overlapped, rid)
+    for rid, i in agreed.items():
         if i is None:
             assert len(overlapped.tokens[rid]) == len(sync.tokens[rid]), rid
             continue
@@ -365,6 +364,9 @@ def test_only_a_near_tie_may_make_two_runs_diverge():
     # An exact tie, listed in top-k's order, not the chosen token first.
     exact_tie = run_of([5, 8], [-1.001, -0.70], [([5, 9], [-1.001, -2.0]), ([6, 8], [-0.70, -0.70])])
     assert assert_divergences_are_near_ties(sync, exact_tie) == [("r", 1, pytest.approx(0.003))]
+    at_once = run_of([9], [-1.9], [([9, 5], [-1.9, -2.0])])  # diverges at its first token (0.1 + 0.1)
+    assert assert_divergences_are_near_ties(run_of([5], [-1.0], [([5, 9], [-1.0, -1.1])]), at_once) == [
+        ("r", 0, pytest.approx(0.2))]
     elsewhere = run_of([5, 4], [-1.002, -0.705], [([5, 9], [-1.002, -2.0]), ([4, 6], [-0.705, -0.708])])
     with pytest.raises(AssertionError, match="not among the top tokens"):
         assert_divergences_are_near_ties(sync, elsewhere)
