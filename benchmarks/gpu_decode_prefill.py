@@ -292,11 +292,14 @@ def main() -> None:
     reference = float32_reference_logits(model, ids, positions, batch, last_rows)
     logits_err = ((logits - reference).norm() / reference.norm()).item()
     log(f"logits rel err vs float32: {logits_err:.2e} (nan: {bool(torch.isnan(logits).any())})")
-    layers = None  # the layers' regions compiled (and the grouped experts), as the engine's eager steps run them
+    # (backends, regions) of the layers' regions compiled with the grouped experts, as the engine's eager steps run
+    # them; None where nothing is compiled.
+    compiled_args = None
     if on_cuda and not args.no_compile:  # the same prefill with the layers' regions compiled (expanded form)
         with torch.inference_mode():
             layers = compile_layers(model)
-            hidden = model(ids, positions, kv_cache, batch, replace(model.backends, moe=layers.moe), layers.regions)
+            compiled_args = (replace(model.backends, moe=layers.moe), layers.regions)
+            hidden = model(ids, positions, kv_cache, batch, *compiled_args)
             compiled = model.compute_logits(hidden[last_rows])
         log(f"logits rel err vs float32, compiled regions: {((compiled - reference).norm() / reference.norm()).item():.2e}")
 
@@ -315,15 +318,14 @@ def main() -> None:
     for n in prefills:
         ids, positions, last_rows = step_inputs([n], [n], cfg.vocab_size, device)
 
-        def prefill_step(compiled: CompiledLayers | None = None):
+        def prefill_step(backends_and_regions: tuple = (None, None)):
             step_batch = contiguous_batch([n], [n], args.page_size, device)
-            backends, regions = (replace(model.backends, moe=compiled.moe), compiled.regions) if compiled else (None,
-                                                                                                                None)
-            return model.compute_logits(model(ids, positions, kv_cache, step_batch, backends, regions)[last_rows])
+            return model.compute_logits(model(ids, positions, kv_cache, step_batch, *backends_and_regions)[last_rows])
 
         with torch.inference_mode():
             ms = timed_ms(prefill_step, device, warmup=1, iters=3)
-            compiled_ms = timed_ms(lambda: prefill_step(layers), device, warmup=1, iters=3) if layers else float("nan")
+            compiled_ms = (timed_ms(lambda: prefill_step(compiled_args), device, warmup=1, iters=3) if compiled_args
+                           else float("nan"))
         model_width = cfg.qk_head_dim + cfg.v_head_dim
         fraction = prefill_flop(model, n, model_width) / (ms / 1e3) / flop_per_s
         absorbed_fraction = prefill_flop(model, n, 2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim) / (ms / 1e3) / flop_per_s
@@ -333,9 +335,9 @@ def main() -> None:
         if args.profile_prefill == n:
             with torch.inference_mode():
                 profile_step(prefill_step, log)
-                if layers:
+                if compiled_args:
                     log(f"prefill {n} with compiled regions:")
-                    profile_step(lambda: prefill_step(layers), log)
+                    profile_step(lambda: prefill_step(compiled_args), log)
 
     decode_rows = []
     for context in contexts:

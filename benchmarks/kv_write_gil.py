@@ -75,5 +75,6 @@ def main() -> None:
                   f"{statistics.median(seconds) * 1e3:8.2f} {seconds[int(0.9 * len(seconds))] * 1e3:8.2f} "
                   f"{posting * 1e3:22.2f}")
 
+
 if __name__ == "__main__":
     main()

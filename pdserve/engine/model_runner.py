@@ -1,5 +1,7 @@
 """Owns the model and the rank's KV tensor; turns a scheduled step into one forward pass and its logits."""
 
+from dataclasses import replace
+
 import torch
 
 from pdserve.engine.cuda_graphs import DecodeGraphConfig, DecodeGraphs
@@ -11,7 +13,6 @@ from pdserve.model.compiled_layers import CompiledLayers
 from pdserve.model.deepseek import DeepseekForCausalLM
 from pdserve.ops.attention import AttentionBatch
 from pdserve.ops.moe_ep import ExpertParallelMoE
-from pdserve.ops.select import Backends
 
 
 class ModelRunner:
@@ -27,7 +28,7 @@ class ModelRunner:
         self.compiled = compiled
         self._eager_backends, self._eager_regions = model.backends, None
         if compiled is not None and compile_eager_steps:
-            self._eager_backends = Backends(model.backends.attention, compiled.moe, model.backends.expert_load)
+            self._eager_backends = replace(model.backends, moe=compiled.moe)
             self._eager_regions = compiled.regions
         self.page_size = page_size
         self.device = device
