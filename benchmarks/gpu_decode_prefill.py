@@ -19,6 +19,7 @@ import torch
 
 from benchmarks.model_steps import contiguous_batch, float32_reference_logits, step_inputs
 from pdserve.engine.cuda_graphs import DecodeGraphConfig, DecodeGraphs
+from pdserve.engine.piecewise_graphs import PiecewiseGraphConfig, PiecewiseGraphs
 from pdserve.model.config import ModelConfig
 from pdserve.model.compiled_layers import CompiledLayers, compile_layers
 from pdserve.model.deepseek import DeepseekForCausalLM
@@ -138,7 +139,7 @@ def decode_row(model, kv_cache, scratch_page, batch_size, context, page_size, by
                                                      compiled=(True, False))
                 compiled_ms, compiled_logits = engine_graph_step_ms(model, kv_cache, scratch_page, query_lens, kv_lens,
                                                                     page_size, compiled=(True, True))
-                logits_diff = ((compiled_logits - logits).norm() / logits.norm()).item()
+                logits_diff = relative_diff(compiled_logits, logits)
         except Exception as error:  # report and go on: the eager figure still stands
             log(f"cuda graph capture failed at batch {batch_size}: {type(error).__name__}: {error}")
     roofline_ms = roofline_bytes / bytes_per_s * 1e3
@@ -191,6 +192,10 @@ def _compiled(model, regions: bool, experts: bool) -> CompiledLayers | None:
         return None
     compiled = compile_layers(model)
     return compiled if experts else replace(compiled, moe=model.backends.moe)
+
+
+def relative_diff(logits: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((logits - reference).norm() / reference.norm()).item()
 
 
 def profile_step(step: Callable[[], object], log) -> None:
@@ -290,7 +295,7 @@ def main() -> None:
     with torch.inference_mode():
         logits = model.compute_logits(model(ids, positions, kv_cache, batch)[last_rows])
     reference = float32_reference_logits(model, ids, positions, batch, last_rows)
-    logits_err = ((logits - reference).norm() / reference.norm()).item()
+    logits_err = relative_diff(logits, reference)
     log(f"logits rel err vs float32: {logits_err:.2e} (nan: {bool(torch.isnan(logits).any())})")
     # (backends, regions) of the layers' regions compiled with the grouped experts, as the engine's eager steps run
     # them; None where nothing is compiled.
@@ -301,7 +306,7 @@ def main() -> None:
             compiled_args = (replace(model.backends, moe=layers.moe), layers.regions)
             hidden = model(ids, positions, kv_cache, batch, *compiled_args)
             compiled = model.compute_logits(hidden[last_rows])
-        log(f"logits rel err vs float32, compiled regions: {((compiled - reference).norm() / reference.norm()).item():.2e}")
+        log(f"logits rel err vs float32, compiled regions: {relative_diff(compiled, reference):.2e}")
 
     if args.check_only:
         return
@@ -314,6 +319,16 @@ def main() -> None:
                              compiled=(not args.no_compile,) * 2, profile_log=log)
         return
 
+    # The engine's steps outside the decode graphs: pieces between the attention calls replayed as CUDA graphs,
+    # captured at exactly the prefill sizes timed (the engine pads to its ladder of sizes); on the CPU they run directly.
+    pieces = None
+    if not args.no_graph:
+        started = time.perf_counter()
+        backends_and_regions = compiled_args or (model.backends, None)
+        pieces = PiecewiseGraphs(model, PiecewiseGraphConfig(tuple(sorted(set(prefills)))), *backends_and_regions,
+                                 device, dtype)
+        log(f"piecewise graphs captured for {sorted(set(prefills))} tokens in {time.perf_counter() - started:.1f} s")
+
     prefill_rows = []
     for n in prefills:
         ids, positions, last_rows = step_inputs([n], [n], cfg.vocab_size, device)
@@ -322,15 +337,24 @@ def main() -> None:
             step_batch = contiguous_batch([n], [n], args.page_size, device)
             return model.compute_logits(model(ids, positions, kv_cache, step_batch, *backends_and_regions)[last_rows])
 
+        def piecewise_step():
+            step_batch = contiguous_batch([n], [n], args.page_size, device)
+            return model.compute_logits(pieces.forward(ids, positions, kv_cache, step_batch)[last_rows])
+
         with torch.inference_mode():
             ms = timed_ms(prefill_step, device, warmup=1, iters=3)
             compiled_ms = (timed_ms(lambda: prefill_step(compiled_args), device, warmup=1, iters=3) if compiled_args
                            else float("nan"))
+            piecewise_ms = timed_ms(piecewise_step, device, warmup=1, iters=3) if pieces else float("nan")
+            if pieces:
+                diff = relative_diff(piecewise_step(), prefill_step(compiled_args or (None, None)))
+                log(f"prefill {n}: piecewise graphs vs the same steps without them, logits differ by {diff:.1e}")
         model_width = cfg.qk_head_dim + cfg.v_head_dim
         fraction = prefill_flop(model, n, model_width) / (ms / 1e3) / flop_per_s
         absorbed_fraction = prefill_flop(model, n, 2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim) / (ms / 1e3) / flop_per_s
-        prefill_rows.append((n, ms, compiled_ms, n / (ms / 1e3), fraction, absorbed_fraction))
-        log(f"prefill {n}: {ms:.1f} ms eager, {compiled_ms:.1f} ms compiled regions, {n / (ms / 1e3):,.0f} tok/s, "
+        prefill_rows.append((n, ms, compiled_ms, piecewise_ms, n / (ms / 1e3), fraction, absorbed_fraction))
+        log(f"prefill {n}: {ms:.1f} ms eager, {compiled_ms:.1f} ms compiled regions, {piecewise_ms:.1f} ms piecewise "
+            f"graphs, {n / (ms / 1e3):,.0f} tok/s, "
             f"{fraction:.0%} of matmul peak ({absorbed_fraction:.0%} counting absorbed-form attention)")
         if args.profile_prefill == n:
             with torch.inference_mode():
@@ -338,6 +362,9 @@ def main() -> None:
                 if compiled_args:
                     log(f"prefill {n} with compiled regions:")
                     profile_step(lambda: prefill_step(compiled_args), log)
+                if pieces:
+                    log(f"prefill {n} under piecewise graphs:")
+                    profile_step(piecewise_step, log)
 
     decode_rows = []
     for context in contexts:
@@ -357,11 +384,12 @@ def main() -> None:
             f"{r['graph_ms']:.2f} | {r['regions_ms']:.2f} | {r['compiled_ms']:.2f} | {r['logits_diff']:.1e} | "
             f"{r['ratio']:.0%} |")
     log("")
-    log("| prefill tokens | eager (ms) | compiled regions (ms) | eager tokens/s | eager fraction of bf16 matmul peak | "
-        "same, absorbed-form attention FLOPs |")
-    log("|---|---|---|---|---|---|")
-    for n, ms, compiled_ms, tps, fraction, absorbed_fraction in prefill_rows:
-        log(f"| {n} | {ms:.1f} | {compiled_ms:.1f} | {tps:,.0f} | {fraction:.0%} | {absorbed_fraction:.0%} |")
+    log("| prefill tokens | eager (ms) | compiled regions (ms) | piecewise graphs (ms) | eager tokens/s | "
+        "eager fraction of bf16 matmul peak | same, absorbed-form attention FLOPs |")
+    log("|---|---|---|---|---|---|---|")
+    for n, ms, compiled_ms, piecewise_ms, tps, fraction, absorbed_fraction in prefill_rows:
+        log(f"| {n} | {ms:.1f} | {compiled_ms:.1f} | {piecewise_ms:.1f} | {tps:,.0f} | {fraction:.0%} | "
+            f"{absorbed_fraction:.0%} |")
     log("")
     log(f"HBM read {bytes_per_s / 1e12:.2f} TB/s, matmul {flop_per_s / 1e12:.0f} TFLOP/s, "
         f"full-model logits rel err vs float32 {logits_err:.2e}")

@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--overlap-scheduling", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--compile-layers", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--compile-eager-steps", choices=("on", "off"), default="on")
+    parser.add_argument("--piecewise-graphs", choices=("on", "off"), default="on")
     args = parser.parse_args()
 
     model_dir = Path(tempfile.mkdtemp())
@@ -48,7 +49,7 @@ def main() -> None:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.prompt + args.output, enable_prefix_cache=False, cuda_graphs=not args.no_cuda_graphs,
         progress=False, overlap_scheduling=args.overlap_scheduling, compile_layers=args.compile_layers,
-        compile_eager_steps=args.compile_eager_steps == "on",
+        compile_eager_steps=args.compile_eager_steps == "on", piecewise_graphs=args.piecewise_graphs == "on",
     ))
     vocab = engine.model_config.vocab_size
     sampling = SamplingParams(max_tokens=args.output, temperature=0.0, ignore_eos=True)

@@ -43,6 +43,11 @@ class EngineConfig:
         True, "where layers are compiled, steps outside the decode graphs (prefill chunks, mixed steps) run them "
               "compiled too: one graph for every token count, a few fused kernels a region instead of the ~85 "
               "launches a layer that made an eager step host-bound")
+    piecewise_graphs: bool = setting(
+        True, "where decode graphs run, steps outside them (prefill chunks, mixed steps) of up to "
+              "--max-num-batched-tokens tokens replay CUDA graphs captured at start-up for a ladder of token counts, "
+              "between their attention calls: the host launches a layer as one graph, not as its regions' kernels "
+              "(expert parallelism: off)")
     expert_exchange: Literal["auto", "fixed", "splits"] = setting(
         "auto", "expert parallelism's exchange in decode steps. fixed: C rows per peer, no host wait, so decode runs "
                 "under CUDA graphs (a step where some rank's pairs overflow C runs again with split sizes); splits: "

@@ -24,6 +24,7 @@ from pdserve.engine.device_values import on_device
 from pdserve.engine.in_flight import InFlightStep
 from pdserve.engine.logits_processing import LogitsProcessing
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.piecewise_graphs import piecewise_graph_config
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import SampleResult, sample, sample_on_device
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
@@ -151,8 +152,10 @@ class Engine:
             fixed = cfg.expert_exchange == "fixed" or graphs is not None
             self.fixed_exchange = exchange if fixed else None
             compiled = compile_layers(model) if wants_compiled_layers(cfg.compile_layers, model) else None
+            piecewise = piecewise_graph_config(cfg.piecewise_graphs, graphs is not None, model,
+                                               cfg.max_num_batched_tokens)
             self.runner = ModelRunner(model, num_pages, cfg.page_size, self.device, self.dtype, graphs,
-                                      self.fixed_exchange, compiled, cfg.compile_eager_steps)
+                                      self.fixed_exchange, compiled, cfg.compile_eager_steps, piecewise)
             self.expert_weight_bytes = model.routed_expert_bytes()
             load = model.backends.expert_load
             self._expert_counts = ExpertCountsReader(load) if load is not None else None

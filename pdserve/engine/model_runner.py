@@ -7,6 +7,7 @@ import torch
 from pdserve.engine.cuda_graphs import DecodeGraphConfig, DecodeGraphs
 from pdserve.engine.device_values import on_device
 from pdserve.engine.in_flight import InFlightStep
+from pdserve.engine.piecewise_graphs import PiecewiseGraphConfig, PiecewiseGraphs
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledSeq
 from pdserve.model.compiled_layers import CompiledLayers
@@ -19,10 +20,11 @@ class ModelRunner:
     def __init__(self, model: DeepseekForCausalLM, num_pages: int, page_size: int, device: torch.device,
                  dtype: torch.dtype, graphs: DecodeGraphConfig | None = None,
                  fixed_exchange: ExpertParallelMoE | None = None, compiled: CompiledLayers | None = None,
-                 compile_eager_steps: bool = False):
+                 compile_eager_steps: bool = False, piecewise: PiecewiseGraphConfig | None = None):
         """`fixed_exchange`: the expert-parallel MoE backend, where decode steps use its fixed-capacity exchange.
         `compiled`: the layers' compiled regions, captured in the decode graphs, and with `compile_eager_steps` run
-        by the steps outside them too (prefill chunks, mixed steps)."""
+        by the steps outside them too (prefill chunks, mixed steps). `piecewise`: those steps replay CUDA graphs
+        between their attention calls (on the CPU the same pieces run directly)."""
         cfg = model.cfg
         self.model = model
         self.compiled = compiled
@@ -39,6 +41,8 @@ class ModelRunner:
         self.kv_cache = torch.zeros(cfg.num_hidden_layers, pool_pages, page_size, cfg.kv_dim, dtype=dtype, device=device)
         self.decode_graphs = DecodeGraphs(model, self.kv_cache, page_size, graphs, num_pages, fixed_exchange,
                                           compiled) if graphs else None
+        self.piecewise_graphs = PiecewiseGraphs(model, piecewise, self._eager_backends, self._eager_regions, device,
+                                                dtype) if piecewise else None
 
     def fixed_step_tokens(self, scheduled: list[ScheduledSeq]) -> int | None:
         """What this rank offers for a fixed-capacity exchange: its decode batch (0 when idle), or None where the step
@@ -110,7 +114,10 @@ class ModelRunner:
         if self.fixed_exchange is not None:
             self.fixed_exchange.fixed_tokens = fixed_tokens
         try:
-            hidden = self.model(ids, pos, self.kv_cache, batch, self._eager_backends, self._eager_regions)
+            if self.piecewise_graphs is not None and self.piecewise_graphs.fits(len(input_ids)):
+                hidden = self.piecewise_graphs.forward(ids, pos, self.kv_cache, batch)
+            else:
+                hidden = self.model(ids, pos, self.kv_cache, batch, self._eager_backends, self._eager_regions)
         finally:
             if self.fixed_exchange is not None:
                 self.fixed_exchange.fixed_tokens = None

@@ -265,10 +265,18 @@ class DecoderLayer(nn.Module):
         experts); `regions` runs them compiled (see LayerRegions), eagerly by default."""
         regions = regions or EAGER_REGIONS
         q, q_pe, latent, k_pe = regions.attention_inputs(self, x, rotations, rope, not expanded)
+        heads_out = self.attend(q, q_pe, latent, k_pe, kv_cache, batch, backends, expanded)
+        return self.finish(x, heads_out, backends, expanded, regions)
+
+    def attend(self, q, q_pe, latent, k_pe, kv_cache, batch: AttentionBatch, backends: Backends,
+               expanded: bool) -> torch.Tensor:
+        """The attention backend's part: writes the new latents to the cache, returns the heads' output."""
         if expanded:
-            heads_out = self.self_attn.attend_expanded(q, q_pe, latent, k_pe, kv_cache, batch, backends.attention)
-        else:
-            heads_out = backends.attention.forward(q, q_pe, latent, k_pe, kv_cache, batch, self.cfg.softmax_scale)
+            return self.self_attn.attend_expanded(q, q_pe, latent, k_pe, kv_cache, batch, backends.attention)
+        return backends.attention.forward(q, q_pe, latent, k_pe, kv_cache, batch, self.cfg.softmax_scale)
+
+    def finish(self, x, heads_out, backends: Backends, expanded: bool, regions: "LayerRegions") -> torch.Tensor:
+        """Everything after attention: o_proj and the residual, the MLP or the experts (routed by the backend)."""
         x, h, topk_ids, topk_weights = regions.attention_output(self, x, heads_out, not expanded)
         routed = self.mlp.routed(h, topk_ids, topk_weights, backends.moe, backends.expert_load) if self.is_moe else None
         return regions.mlp_output(self, x, h, routed)
@@ -341,12 +349,17 @@ class DeepseekForCausalLM(nn.Module):
         assert self.rope is not None, "call init_rope() after moving the model to its device"
         backends = backends or self.backends
         rotations = self.rope.rotations(positions)
-        expanded = uses_expanded_attention(self.cfg, batch) and backends.attention.expands(self.cfg.qk_head_dim,
-                                                                                           self.cfg.v_head_dim)
+        expanded = self.attends_expanded(batch, backends)
         x = self.model.embed_tokens(input_ids)
         for layer_idx, layer in enumerate(self.model.layers):
             x = layer(x, rotations, self.rope, kv_cache[layer_idx], batch, backends, expanded, regions)
         return self.model.norm(x)
+
+    def attends_expanded(self, batch: AttentionBatch, backends: Backends) -> bool:
+        """Whether this step's attention runs in the expanded form (see uses_expanded_attention), where the backend
+        has kernels for the model's head widths."""
+        return uses_expanded_attention(self.cfg, batch) and backends.attention.expands(self.cfg.qk_head_dim,
+                                                                                       self.cfg.v_head_dim)
 
     def routed_expert_bytes(self) -> int:
         """Memory held by this rank's routed expert weights, FP8 scales included (what expert parallelism divides)."""

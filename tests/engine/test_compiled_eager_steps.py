@@ -5,23 +5,13 @@ CPU); inductor's kernels run on the GPU (tests/engine/test_overlap.py)."""
 import torch
 
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.request import Request
-from pdserve.engine.scheduler import ScheduledSeq
 from pdserve.model.compiled_layers import compile_layers
 from pdserve.model.config import ModelConfig
 from pdserve.model.loader import build_model
 from pdserve.model.random_init import init_random_weights
 from pdserve.ops.select import select_backends
-from pdserve.wire.sampling import SamplingParams
 from tests.counting_backend import CountingBackend
-
-PAGE_SIZE = 4
-
-
-def request_of(request_id: str, prompt_len: int, first_page: int, seed: int) -> Request:
-    prompt = torch.randint(2, 400, (prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
-    pages = list(range(first_page, first_page + 16))
-    return Request(request_id, prompt, SamplingParams(max_tokens=8), torch.Generator(), page_ids=pages)
+from tests.engine.scheduled_steps import PAGE_SIZE, request_of, run_step
 
 
 def test_compiled_eager_steps_give_the_uncompiled_logits_and_kv(tiny_v3):
@@ -46,13 +36,8 @@ def test_compiled_eager_steps_give_the_uncompiled_logits_and_kv(tiny_v3):
     for step in steps:
         logits, kv = {}, {}
         for compiled, runner in runners.items():
-            scheduled = [ScheduledSeq(requests[compiled][rid], n) for rid, n in step.items()]
-            logits[compiled] = runner.execute(scheduled)
+            logits[compiled] = run_step(runner, requests[compiled], step)
             kv[compiled] = runner.kv_cache.clone()
-            for seq in scheduled:
-                if seq.samples:  # the same next token for both runners, so their steps stay the same
-                    seq.request.output_token_ids.append(7)
-                seq.request.num_computed_tokens += seq.num_new_tokens
             graphs_seen.append(counting.graphs)
         torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(kv[True], kv[False], rtol=1e-5, atol=1e-5)
