@@ -320,7 +320,7 @@ def main() -> None:
         return
 
     # The engine's steps outside the decode graphs: pieces between the attention calls replayed as CUDA graphs,
-    # captured at exactly the prefill sizes timed (the engine pads to its ladder of sizes); on the CPU they run directly.
+    # captured at exactly the prefill sizes timed (the engine pads to its ladder of sizes); the CPU runs them directly.
     pieces = None
     if not args.no_graph:
         started = time.perf_counter()

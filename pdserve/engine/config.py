@@ -44,10 +44,10 @@ class EngineConfig:
               "compiled too: one graph for every token count, a few fused kernels a region instead of the ~85 "
               "launches a layer that made an eager step host-bound")
     piecewise_graphs: bool = setting(
-        True, "where decode graphs run, steps outside them (prefill chunks, mixed steps) of up to "
-              "--max-num-batched-tokens tokens replay CUDA graphs captured at start-up for a ladder of token counts, "
-              "between their attention calls: the host launches a layer as one graph, not as its regions' kernels "
-              "(expert parallelism: off)")
+        True, "where decode graphs run, steps outside them (prefill chunks, mixed steps) of up to 2,048 tokens "
+              "replay CUDA graphs captured at start-up for a ladder of token counts, between their attention calls: "
+              "the host launches a layer as one graph, not as its regions' kernels (larger steps are not host-bound; "
+              "expert parallelism: off)")
     expert_exchange: Literal["auto", "fixed", "splits"] = setting(
         "auto", "expert parallelism's exchange in decode steps. fixed: C rows per peer, no host wait, so decode runs "
                 "under CUDA graphs (a step where some rank's pairs overflow C runs again with split sizes); splits: "

@@ -1,5 +1,5 @@
-"""Steps outside the decode graphs (prefill chunks, mixed steps, decode batches above the largest decode graph) as
-CUDA graphs between their attention calls, captured at start-up for a ladder of token counts.
+"""Steps outside the decode graphs (prefill chunks, mixed steps, decode batches above the largest decode graph) of up
+to 2,048 tokens as CUDA graphs between their attention calls, captured at start-up for a ladder of token counts.
 
 Even with the layers' regions compiled such a step was host-bound: ~107 compiled calls a step at 150-480 us of host
 time each (dynamo's guards, the dynamic-shape wrappers, Python launches) against ~20 ms of device work for 1,024
@@ -32,8 +32,11 @@ from pdserve.ops.select import Backends
 
 log = logging.getLogger(__name__)
 
-# Padding at most ~1.5x between neighbours: padded rows cost the experts their share of device time.
-TOKEN_SIZES = (64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
+# Only where a step is host-bound: a compiled step takes ~35 ms of host time whatever its size, the device ~19 ms at
+# 512 tokens and ~33 ms at 2,048 (one H100), so above ~2k tokens the host has nothing left to save, and a padded
+# row costs the device what a real one does (a ladder up to 8k in 1.33-1.5x steps made a P/D prefill worker slower
+# at 24 req/s). Close steps, so padding stays under ~13% of a step.
+TOKEN_SIZES = (64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,7 @@ class PiecewiseGraphConfig:
 
 
 def token_sizes(max_step_tokens: int) -> tuple[int, ...]:
-    """The ladder below the step's token budget, then the budget itself, so every step up to it fits."""
+    """The ladder below the step's token budget, then the budget itself where it is lower than the ladder's top."""
     cap = min(max_step_tokens, TOKEN_SIZES[-1])
     return tuple(s for s in TOKEN_SIZES if s < cap) + (cap,)
 
@@ -57,6 +60,7 @@ def piecewise_graph_config(enabled: bool, decode_graphs: bool, model: DeepseekFo
 
 
 class PiecewiseGraphs:
+    @torch.inference_mode()  # buffers made as inference tensors, as every step's are: dynamo guards on the kind
     def __init__(self, model: DeepseekForCausalLM, cfg: PiecewiseGraphConfig, backends: Backends,
                  regions: LayerRegions | None, device: torch.device, dtype: torch.dtype):
         """`backends`, `regions`: what the pieces run (the layers' compiled regions and experts where the engine
