@@ -11,6 +11,7 @@ from pdserve.cli.planner import add_planner_parser
 from pdserve.cli.router import add_router_parser
 from pdserve.cli.up import add_up_parser
 from pdserve.cli.worker import add_worker_parser
+from pdserve.settings.flags import FlagError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,10 +29,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format='{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}')
-    return args.func(args)
+    try:
+        return args.func(args)
+    except FlagError as error:  # as argparse reports a bad flag: one line and exit status 2, no traceback
+        parser.exit(2, f"pdserve {args.command}: error: {error}\n")
 
 
 if __name__ == "__main__":

@@ -93,4 +93,4 @@ class EngineConfig:
         ]
         for ok, message in checks:
             if not ok:
-                raise ValueError(f"{message} (got {self})")
+                raise ValueError(message)

@@ -64,8 +64,8 @@ class PiecewiseGraphs:
     def __init__(self, model: DeepseekForCausalLM, cfg: PiecewiseGraphConfig, backends: Backends,
                  regions: LayerRegions | None, device: torch.device, dtype: torch.dtype):
         """`backends`, `regions`: what the pieces run (the layers' compiled regions and experts where the engine
-        compiles them for steps outside the decode graphs). Captured here on CUDA, which compiles the regions at
-        each size if they are compiled."""
+        compiles them for steps outside the decode graphs). Captured here on CUDA; the warm-up before the first
+        capture compiles the regions if nothing has yet."""
         mc = model.cfg
         self.model = model
         self.sizes = cfg.token_sizes

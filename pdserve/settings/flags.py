@@ -84,8 +84,13 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         parser.add_argument(_flag_name(f), **options)
 
 
+class FlagError(ValueError):
+    """Flag values their configuration refuses (its own checks): a usage error, not a crash."""
+
+
 def from_flags(cls: type, args: argparse.Namespace, **given: Any) -> Any:
-    """`cls` built from the parsed flags of its `setting()` fields, plus `given` for the fields flags do not set."""
+    """`cls` built from the parsed flags of its `setting()` fields, plus `given` for the fields flags do not set.
+    Raises FlagError with the configuration's own message where it refuses them."""
     hints = typing.get_type_hints(cls)
     values = dict(given)
     for f in _flag_fields(cls):
@@ -93,4 +98,7 @@ def from_flags(cls: type, args: argparse.Namespace, **given: Any) -> Any:
             continue  # a parse/tuple flag that was not given: the field's default
         value = getattr(args, _dest(f))
         values[f.name] = AUTO_ON_OFF[value] if _optional_inner(hints[f.name]) is bool else value
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ValueError as error:
+        raise FlagError(str(error)) from None
