@@ -3,9 +3,10 @@ a whole JSON response or an SSE stream ending with `data: [DONE]`."""
 
 import asyncio
 import contextlib
+import itertools
 import math
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ from pdserve.text.generation_defaults import GenerationDefaults
 from pdserve.text.grammars import FREE_TEXT_LARK, GrammarError, check_grammar
 from pdserve.text.tokenizer import PromptError, PromptTokenizer
 from pdserve.text.tool_calls import DeepSeekToolCalls, ToolSpec
-from pdserve.wire.protocol import TokenEvent, token_gaps
+from pdserve.wire.protocol import TokenEvent, token_gap
 from pdserve.wire.sampling import Grammar, SamplingParams
 from pdserve_router import openai_schema as schema
 from pdserve_router.dispatch import Dispatcher, no_workers_error
@@ -85,6 +86,10 @@ class Serving:
         self._max_prompt_chars = max_prompt_chars
         self._defaults = defaults
         self._tool_format = DeepSeekToolCalls.for_tokenizer(tokenizer.tokenizer)
+        # Response ids: a random prefix per router process and a counter, unique across the routers sharing workers
+        # (attempt ids sent to them derive from it) without a uuid4's system call per request.
+        self._id_prefix = secrets.token_hex(8)
+        self._id_numbers = itertools.count()
 
     # --- request -> choices ----------------------------------------------------------------------------------------
 
@@ -246,7 +251,7 @@ class Serving:
                       arrival_s: float, on_done: Callable[[], None]) -> Response:
         if not self.dispatcher.can_serve():
             raise no_workers_error(self._retry_after_s)
-        request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        request_id = f"{'chatcmpl-' if kind == 'chat' else 'cmpl-'}{self._id_prefix}{next(self._id_numbers):016x}"
         builder = ResponseBuilder(kind, request_id, int(time.time()), self.model_name, self.tokenizer, plan.options)
         plans = plan.choices
         outputs = [ChoiceOutput(plan.index, plan.prompt_token_ids) for plan in plans]
@@ -326,8 +331,7 @@ class Serving:
             previous = last_token_s.get(output.index)
             if previous is None:
                 self.metrics.observe_ttft(now - arrival_s)
-            for gap in token_gaps(previous, now, len(event.token_ids)):
-                self.metrics.observe_itl(gap)
+            self.metrics.observe_itl(*token_gap(previous, now, len(event.token_ids)))
             last_token_s[output.index] = now
         output.text += event.text
         output.token_ids.extend(event.token_ids)

@@ -126,14 +126,20 @@ def coalesce_events(events: list[TokenEvent]) -> list[TokenEvent]:
     return [merged, *tail]
 
 
-def token_gaps(previous_s: float | None, now_s: float, num_tokens: int) -> tuple[float, ...]:
+def token_gap(previous_s: float | None, now_s: float, num_tokens: int) -> tuple[float, int]:
     """The inter-token gaps that `num_tokens` tokens arriving together at `now_s` stand for, as router and bench both
-    count them: the time since the previous arrival spread evenly over them; with no previous arrival (the first
-    token's event) the rest arrived with the first, a gap of 0 each. One gap per token after a request's first,
-    however coalesce_events batched them."""
+    count them, as (gap, how many): the time since the previous arrival spread evenly over them; with no previous
+    arrival (the first token's event) the rest arrived with the first, a gap of 0 each. One gap per token after a
+    request's first, however coalesce_events batched them."""
     if previous_s is None:
-        return (0.0,) * max(num_tokens - 1, 0)
-    return ((now_s - previous_s) / num_tokens,) * num_tokens
+        return 0.0, max(num_tokens - 1, 0)
+    return (now_s - previous_s) / num_tokens, num_tokens
+
+
+def token_gaps(previous_s: float | None, now_s: float, num_tokens: int) -> tuple[float, ...]:
+    """token_gap's gaps one by one."""
+    gap, count = token_gap(previous_s, now_s, num_tokens)
+    return (gap,) * count
 
 
 @dataclass
