@@ -239,6 +239,8 @@ class InProcessCluster(StartedCluster):
             self._loop.call_soon_threadsafe(self._loop.stop)
             assert self._thread is not None
             self._thread.join(STOP_TIMEOUT_S)
+            if not self._thread.is_alive():
+                self._loop.close()
             self._loop = None
             if self._pool_files is not None:
                 shutil.rmtree(self._pool_files.directory, ignore_errors=True)
@@ -253,3 +255,5 @@ class InProcessCluster(StartedCluster):
         tasks = [p.task for p in parts if p.task is not None]
         if tasks:
             await asyncio.wait(tasks, timeout=STOP_TIMEOUT_S)
+        for rank in (rank for part in parts for rank in part.ranks):
+            await rank.runtime.close_links()

@@ -35,10 +35,17 @@ def _worker_key(url: str) -> tuple[str, str, int | None]:
 
 
 class HandoffGuard:
-    def __init__(self, peers: Discovery, confirm_at: ConfirmReservation, max_write_window_s: float = MAX_WRITE_WINDOW_S):
+    def __init__(self, peers: Discovery, confirm_at: ConfirmReservation, max_write_window_s: float = MAX_WRITE_WINDOW_S,
+                 close: Callable[[], Awaitable[None]] | None = None):
+        """`close`: releases what `confirm_at` holds (its connections), when the worker stops."""
         self._peers = peers
         self._confirm_at = confirm_at
         self._max_write_window_s = max_write_window_s
+        self._close = close
+
+    async def close(self) -> None:
+        if self._close is not None:
+            await self._close()
 
     def known_peer(self, url: str) -> str | None:
         """The peer's URL as discovery names it, or None when `url` names no worker discovery knows."""

@@ -52,6 +52,12 @@ class LazyWorkerSession:
             self._session = worker_session(self._headers)
         return self._session
 
+    async def close(self) -> None:
+        """Close the session if it was opened (in the loop it was opened in); a later call opens a new one."""
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
 
 class WorkerUnavailable(Exception):
     """The worker could not be reached or answered with an error before streaming anything. `refused` is True when

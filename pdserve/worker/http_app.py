@@ -105,6 +105,7 @@ def build_worker_app(cfg: WorkerConfig, ranks: RankSet, info: WorkerInfo, guard:
         watcher = asyncio.create_task(ranks.watch())
         yield
         watcher.cancel()
+        await guard.close()
 
     app = FastAPI(title="pdserve worker", lifespan=lifespan)
     app.add_middleware(InternalAuth, token=cfg.internal_token)

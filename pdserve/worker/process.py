@@ -85,7 +85,7 @@ def handoff_guard(cfg: WorkerConfig) -> HandoffGuard:
     async def confirm_at(url: str, query: ReservationQuery) -> Reservation | None:
         return await WorkerClient(url, http(), CONFIRM_TIMEOUT_S).confirm_reservation(query)
 
-    return HandoffGuard(peers, confirm_at)
+    return HandoffGuard(peers, confirm_at, close=http.close)
 
 
 async def describe_worker(cfg: WorkerConfig, handles: list[Rank], started: float) -> tuple[WorkerInfo, list[float]]:

@@ -256,6 +256,10 @@ class RankRuntime:
         self.steps.stop()
         self.backend.close()
 
+    async def close_links(self) -> None:
+        """Close the connections to prefill workers, on the rank's event loop (before stop(), where it still runs)."""
+        await self._http.close()
+
     def info(self) -> RankInfo:
         return RankInfo(self.cfg.rank, self.cfg.engine.page_size, self.engine.allocator.num_pages, self.backend.name,
                         self.warmup_s)

@@ -88,3 +88,14 @@ def test_a_decode_plan_must_name_a_discovered_prefill_worker():
     with pytest.raises(HandoffRefused) as refused:
         guard.check_decode_plan(GenerateRequest("r", 0, [1], plan=Plan("decode")))
     assert refused.value.status == 400
+
+
+def test_closing_the_guard_releases_what_confirms_reservations():
+    closed = []
+
+    async def close() -> None:
+        closed.append(True)
+
+    asyncio.run(HandoffGuard(StaticDiscovery([DECODE]), DecodeWorker(None), close=close).close())
+    asyncio.run(HandoffGuard(StaticDiscovery([DECODE]), DecodeWorker(None)).close())  # nothing to release
+    assert closed == [True]

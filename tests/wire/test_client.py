@@ -12,7 +12,7 @@ import uvicorn
 
 from pdserve.http.ports import free_port
 from pdserve.wire import client as client_module
-from pdserve.wire.client import WorkerClient, worker_session
+from pdserve.wire.client import LazyWorkerSession, WorkerClient, worker_session
 from pdserve.wire.protocol import GenerateRequest, TokenEvent
 
 
@@ -77,3 +77,17 @@ def test_a_stream_held_open_after_its_last_event_still_delivers_it(monkeypatch: 
         assert time.monotonic() - started < 10  # not the 30 s the server holds the stream
         server.server.force_exit = True
     assert [t for e in streams[0] for t in e.token_ids] == [0, 1, 2] and streams[0][-1].finish_reason == "length"
+
+
+def test_a_lazy_session_opens_on_first_use_closes_and_opens_anew_after():
+    async def scenario() -> tuple[bool, bool, bool, bool]:
+        lazy = LazyWorkerSession()
+        await lazy.close()  # never opened: nothing to close
+        first = lazy()
+        same = lazy() is first
+        await lazy.close()
+        second = lazy()
+        await lazy.close()
+        return same, first.closed, second is not first, second.closed
+
+    assert asyncio.run(scenario()) == (True, True, True, True)
