@@ -15,7 +15,9 @@ data the kernels read.
 import gc
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -26,10 +28,12 @@ from pdserve.model.compiled_layers import CompiledLayers
 from pdserve.model.deepseek import DeepseekForCausalLM
 from pdserve.ops.attention import AttentionBatch
 from pdserve.ops.attention_flashinfer import WORKSPACE_BYTES, FlashInferMLA, FlashInferMLAGraphSlot
+from pdserve.ops.expert_load import mark_real_rows
 from pdserve.ops.moe_ep import ExpertParallelMoE
 from pdserve.ops.select import Backends
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -130,14 +134,7 @@ class DecodeGraphs:
         if self.exchange is not None:
             self.exchange.fixed_tokens = size
         try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                step()  # warm-up outside the capture: lazy initialisation and kernel selection happen here
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = step()
+            graph, logits = capture(step, pool)
         finally:
             if self.exchange is not None:
                 self.exchange.fixed_tokens = None
@@ -166,9 +163,8 @@ class DecodeGraphs:
         host = torch.tensor([input_ids + [0] * pad, positions + [0] * pad,
                              slots + [self.scratch_page * self.page_size] * pad], dtype=torch.int64)
         self._inputs[:, :size].copy_(host, non_blocking=True)  # staged at once: no wait for a step in flight
-        if self.model.backends.expert_load is not None:  # two fills on the device, nothing built on the host
-            self._pair_valid[: num_seqs * self._top_k].fill_(1)
-            self._pair_valid[num_seqs * self._top_k: size * self._top_k].fill_(0)
+        if self.model.backends.expert_load is not None:
+            mark_real_rows(self._pair_valid, num_seqs, size, self._top_k)
         if carried is not None:
             carried.write_into(self._inputs[0, :num_seqs])
         step.graph.replay()
@@ -204,6 +200,21 @@ class DecodeGraphs:
         index = self._free_index(size)
         self._plan(self._steps[size][index], padded_lens, next_pages + [[self.scratch_page]] * pad)
         self._planned_ahead = _PlannedStep(size, index, tuple(padded_lens))
+
+
+def capture(run: Callable[[], T], pool) -> tuple[torch.cuda.CUDAGraph, T]:
+    """`run` captured into a graph drawing its memory from `pool`, after one warm-up call on a side stream (lazy
+    initialisation, kernel selection and compilation happen there, outside the capture); returns the graph and what
+    the captured call returned (its output tensors, rewritten by every replay)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = run()
+    return graph, output
 
 
 def leave_process_group() -> None:

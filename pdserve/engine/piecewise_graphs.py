@@ -25,8 +25,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from pdserve.engine.cuda_graphs import capture
 from pdserve.model.deepseek import EAGER_REGIONS, DeepseekForCausalLM, LayerRegions
 from pdserve.ops.attention import AttentionBatch
+from pdserve.ops.expert_load import mark_real_rows
 from pdserve.ops.moe_ep import ExpertParallelMoE
 from pdserve.ops.select import Backends
 
@@ -118,9 +120,7 @@ class PiecewiseGraphs:
         self._inputs[0, :num_tokens].copy_(input_ids)
         self._inputs[1, :num_tokens].copy_(positions)
         self._inputs[:, num_tokens:size].zero_()
-        top_k = self.model.cfg.num_experts_per_tok
-        self._pair_valid[: num_tokens * top_k].fill_(1)
-        self._pair_valid[num_tokens * top_k: size * top_k].fill_(0)
+        mark_real_rows(self._pair_valid, num_tokens, size, self.model.cfg.num_experts_per_tok)
         (q, q_pe, latent, k_pe), heads_out = self._attention_io[expanded]
         pieces = self._pieces[size, expanded]
         pieces[0]()
@@ -160,14 +160,4 @@ class PiecewiseGraphs:
 
     @torch.inference_mode()
     def _captured(self, run: Callable[[], None], pool) -> Callable[[], None]:
-        if not self._capture:
-            return run
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            run()  # warm-up outside the capture: compiles, selects kernels, initialises lazily
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            run()
-        return graph.replay
+        return capture(run, pool)[0].replay if self._capture else run

@@ -28,6 +28,13 @@ class ExpertLoad:
         self.counts[layer].index_add_(0, flat, weights)
 
 
+def mark_real_rows(pair_weights: torch.Tensor, real_rows: int, rows: int, top_k: int) -> None:
+    """Fill a masked ExpertLoad's `pair_weights` for a step of `rows` rows of which the first `real_rows` are real:
+    two fills on the device, nothing built on the host."""
+    pair_weights[: real_rows * top_k].fill_(1)
+    pair_weights[real_rows * top_k: rows * top_k].fill_(0)
+
+
 class ExpertCountsReader:
     """Reads the device counts into host memory behind the queued work (pinned memory and an event on CUDA), so that
     the step loop never waits for the GPU to report them: each read returns the last copy that has completed."""
