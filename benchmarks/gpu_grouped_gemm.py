@@ -3,7 +3,12 @@ grouped GEMM, on DeepSeek-V2-Lite's expert shapes (64 experts; each token's 6 sl
 uniformly), timed as CUDA-graph replays, next to the read roofline: the chosen experts' weight bytes / HBM read
 bandwidth measured in the same run. Errors are relative to a float32 product of the same inputs.
 
+At prefill sizes (`--prefill`) the GEMMs are compute-bound: the same shapes at 1k-8k tokens, and DeepSeek-V3's FP8
+experts of one EP8 rank at 4k-16k tokens, in TFLOP/s, cuBLAS against the Triton kernel at each tiling of a sweep.
+
     python benchmarks/gpu_grouped_gemm.py                 # tokens 1..512
+    python benchmarks/gpu_grouped_gemm.py --prefill       # tokens 1k..16k, tilings swept
+    python benchmarks/gpu_grouped_gemm.py --sort          # the experts' sort of routed rows: counting vs radix
 """
 
 import argparse
@@ -11,10 +16,14 @@ import argparse
 import torch
 
 from benchmarks.gpu_decode_prefill import hbm_read_bytes_per_s
-from benchmarks.gpu_fp8_gemm import errors, time_ms
+from benchmarks.gpu_fp8_gemm import V3_EXPERTS, errors, expert_rows, random_fp8, time_ms
 
 V2_LITE_EXPERTS = {"w13 2048->2x1408": (64, 2816, 2048), "w2 1408->2048": (64, 2048, 1408)}
 TOP_K = 6
+PREFILL_TOKENS, V3_PREFILL_TOKENS = (1024, 2048, 4096, 8192), (4096, 16384)
+# (block_m, block_n, warps, stages) of pdserve.ops.gemm_triton.GemmTiles
+TILE_SWEEP = ((128, 128, 8, 4), (128, 128, 4, 4), (128, 128, 8, 3), (128, 256, 8, 3), (128, 256, 8, 4),
+              (256, 128, 8, 3), (64, 256, 4, 4), (128, 64, 4, 4))
 
 
 def routed_rows(tokens: int, num_experts: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -26,13 +35,109 @@ def routed_rows(tokens: int, num_experts: int, device) -> tuple[torch.Tensor, to
     return (order // TOP_K).to(device), ends.to(device), experts.unique().numel()
 
 
+def sweep_line(name: str, tokens: int, rows: int, kernel: str, flops: float, cublas_us: float,
+               run, ref: torch.Tensor, device: torch.device) -> None:
+    """One kernel's line of the prefill table; a tiling that does not fit the SM's shared memory prints as such."""
+    try:
+        us = time_ms(run, device) * 1e3
+    except Exception as error:  # triton's OutOfResources and kin: the tiling is not launchable on this GPU
+        print(f"| {name} | {tokens} | {rows} | {kernel} | - | - | - | {type(error).__name__} |", flush=True)
+        return
+    print(f"| {name} | {tokens} | {rows} | {kernel} | {us:.1f} | {flops / us / 1e6:.0f} | {cublas_us / us:.2f}x | "
+          f"{errors(run(), ref)[0]:.1e} |", flush=True)
+
+
+def prefill_sweep(device: torch.device) -> None:
+    """bf16 V2-Lite experts and FP8 V3 EP8 experts at prefill sizes: cuBLAS (with and without the row gather the
+    MoE layer needs before it) against the Triton kernel at its default tiling and at each tiling of TILE_SWEEP."""
+    from pdserve.ops.fp8_gemm import block_fp8_grouped_linear_reference
+    from pdserve.ops.gemm_triton import GemmTiles, bf16_grouped_gemm, fp8_gemm, quantize_rows, tiles_for
+
+    sweep = tuple(GemmTiles(*tiles) for tiles in TILE_SWEEP)
+
+    print(f"device: {torch.cuda.get_device_name(device)}; tiles: block_m x block_n / warps / stages")
+    print("| GEMM | tokens | rows | kernel | us | TFLOP/s | vs cuBLAS with gather | rel err |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, (experts, n, k) in V2_LITE_EXPERTS.items():
+        gen = torch.Generator(device=device).manual_seed(n)
+        weight = (torch.randn(experts, n, k, generator=gen, device=device) * k**-0.5).to(torch.bfloat16)
+        for tokens in PREFILL_TOKENS:
+            x = torch.randn(tokens, k, generator=gen, device=device).to(torch.bfloat16)
+            row_index, ends, _ = routed_rows(tokens, experts, device)
+            rows, gathered = row_index.numel(), x[row_index]
+            flops = 2.0 * rows * n * k
+            ref = torch.cat([gathered[a:b].float() @ weight[e].float().T for e, (a, b) in
+                             enumerate(zip([0] + ends.tolist()[:-1], ends.tolist()))])
+            cublas_us = time_ms(lambda: torch._grouped_mm(x[row_index], weight.transpose(1, 2), offs=ends),
+                                device) * 1e3
+            sweep_line(name, tokens, rows, "cuBLAS + gather", flops, cublas_us,
+                       lambda: torch._grouped_mm(x[row_index], weight.transpose(1, 2), offs=ends), ref, device)
+            sweep_line(name, tokens, rows, "cuBLAS, rows gathered", flops, cublas_us,
+                       lambda: torch._grouped_mm(gathered, weight.transpose(1, 2), offs=ends), ref, device)
+            default = tiles_for(rows / experts)
+            for tiles in (default,) + tuple(t for t in sweep if t != default):
+                label = f"Triton {tiles.block_m}x{tiles.block_n}/{tiles.warps}/{tiles.stages}"
+                sweep_line(name, tokens, rows, label + (" (default)" if tiles == default else ""), flops, cublas_us,
+                           lambda tiles=tiles: bf16_grouped_gemm(x, weight, ends, row_index, tiles), ref, device)
+    for name, shape in V3_EXPERTS.items():
+        weight = random_fp8(shape, device, seed=shape[1])
+        bf16_weight = weight.dequantize(torch.bfloat16).transpose(1, 2)
+        for tokens in V3_PREFILL_TOKENS:
+            x = torch.randn(tokens, shape[2], device=device).to(torch.bfloat16)
+            row_index, ends = expert_rows(tokens, shape[0], device)
+            rows = row_index.numel()
+            flops = 2.0 * rows * shape[1] * shape[2]
+            ref = block_fp8_grouped_linear_reference(x.float(), weight, ends, row_index)
+            cublas_us = time_ms(lambda: torch._grouped_mm(x[row_index], bf16_weight, offs=ends), device) * 1e3
+            sweep_line(name, tokens, rows, "bf16 cuBLAS + gather", flops, cublas_us,
+                       lambda: torch._grouped_mm(x[row_index], bf16_weight, offs=ends), ref, device)
+            default = tiles_for(rows / shape[0])
+            for tiles in (default,) + tuple(t for t in sweep if t != default):
+                def fp8(tiles=tiles) -> torch.Tensor:
+                    q, scales = quantize_rows(x, 128)
+                    return fp8_gemm(q, scales, weight, rows=rows, group_ends=ends, row_index=row_index, tiles=tiles)
+                label = f"FP8 Triton {tiles.block_m}x{tiles.block_n}/{tiles.warps}/{tiles.stages}"
+                sweep_line(name, tokens, rows, label + (" (default)" if tiles == default else ""), flops, cublas_us,
+                           fp8, ref, device)
+
+
+def sort_times(device: torch.device) -> None:
+    """The routed rows' sort by expert (V2-Lite: 64 experts, 6 a token), as the compiled experts run it: the counting
+    sort compiled by inductor against the radix sort (torch.sort + searchsorted), each captured in a CUDA graph."""
+    from pdserve.ops.moe_grouped import counting_sort, radix_sort
+    from pdserve.ops.token_dynamic import compile_token_dynamic
+
+    experts = V2_LITE_EXPERTS["w13 2048->2x1408"][0]
+    counting, radix = compile_token_dynamic(counting_sort), compile_token_dynamic(radix_sort)
+    print(f"device: {torch.cuda.get_device_name(device)}")
+    print("| tokens | rows | radix sort us | counting sort (compiled) us | radix / counting |")
+    print("|---|---|---|---|---|")
+    for tokens in (1, 16, 64, 256, 341, 512, 1024, 2048):
+        gen = torch.Generator().manual_seed(tokens)
+        ids = torch.stack([torch.randperm(experts, generator=gen)[:TOP_K] for _ in range(tokens)]).reshape(-1)
+        ids = ids.to(device)
+        radix_us = time_ms(lambda: radix(ids, experts)[0], device) * 1e3
+        counting_us = time_ms(lambda: counting(ids, experts)[0], device) * 1e3
+        assert torch.equal(ids[counting(ids, experts)[0]], ids[radix(ids, experts)[0]])
+        print(f"| {tokens} | {ids.numel()} | {radix_us:.1f} | {counting_us:.1f} | {radix_us / counting_us:.2f}x |",
+              flush=True)
+
+
 def main() -> None:
     from pdserve.ops.gemm_triton import bf16_grouped_gemm
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,512")
+    parser.add_argument("--prefill", action="store_true", help="prefill sizes, tilings swept (TFLOP/s)")
+    parser.add_argument("--sort", action="store_true", help="the routed rows' sort: counting against radix")
     args = parser.parse_args()
     device = torch.device("cuda")
+    if args.prefill:
+        prefill_sweep(device)
+        return
+    if args.sort:
+        sort_times(device)
+        return
     bytes_per_s = hbm_read_bytes_per_s(device, 4.0)
     print(f"device: {torch.cuda.get_device_name(device)}; HBM read {bytes_per_s / 1e12:.2f} TB/s")
     print("| GEMM | tokens | rows | experts read | roofline us | cuBLAS grouped us | Triton us | Triton speed-up | "

@@ -4,7 +4,8 @@ rounded activations in float32 torch: only accumulation order and the bf16 outpu
 reference within the activations' FP8 rounding (e4m3 keeps 3 mantissa bits: ~3% relative per product, < 6e-2).
 
 Kernel tests run on CUDA (marked gpu) and, for the Triton kernels, in Triton's CPU interpreter when
-TRITON_INTERPRET=1 (a separate venv with triton; CI has neither, and skips them).
+TRITON_INTERPRET=1 (a separate venv with triton; CI has neither, and skips them). The Triton GEMM's bf16 form (the
+routed experts' kernel for bf16 weights) is checked here too, against float32.
 """
 
 import importlib.util
@@ -177,6 +178,30 @@ def test_triton_grouped_gemm_matches_emulation_and_reference(device):
         reference = block_fp8_grouped_linear_reference(x.float(), weight, ends, row_index)
         assert rel_err(out, emulated) < KERNEL_TO_EMULATION, (tokens, shape)
         assert rel_err(out, reference) < KERNEL_TO_REFERENCE, (tokens, shape)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("k", [256, 200])  # whole K blocks (unmasked loads) and a partial last block
+def test_bf16_grouped_gemm_matches_float32_at_every_tiling(device, k):
+    """Each tiling tiles_for() picks (decode to prefill sizes), rows gathered by index and not, an empty group. In
+    the interpreter the same kernel runs on float32 tensors: its tl.dot on bf16 tiles returns garbage there (~1e11)."""
+    from pdserve.ops.gemm_triton import bf16_grouped_gemm, tiles_for
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    groups, n = 6, 192
+    weight = (torch.randn(groups, n, k, generator=torch.Generator().manual_seed(3)) * k**-0.5).to(device, dtype)
+    x = random_activations(150, k, device).to(dtype)
+    row_index, ends = sorted_groups(150, 2, groups, device)
+    ends[1] = ends[0]  # group 1 empty
+    starts = [0] + ends.tolist()[:-1]
+    rows = x[row_index].float()
+    reference = torch.cat([rows[a:b] @ weight[g].float().T for g, (a, b) in enumerate(zip(starts, ends.tolist()))])
+    for rows_per_group in (1, 20, 50, 500):
+        tiles = tiles_for(rows_per_group)
+        out = bf16_grouped_gemm(x, weight, ends, row_index, tiles)
+        assert out.dtype == dtype and out.shape == (300, n)
+        assert rel_err(out, reference) < 1e-2, tiles
+    assert rel_err(bf16_grouped_gemm(x[row_index], weight, ends), reference) < 1e-2
 
 
 @pytest.mark.gpu

@@ -3,7 +3,13 @@ import torch
 
 from pdserve.ops.block_fp8 import BlockFP8Weight, quantize_block_fp8
 from pdserve.ops.moe import TorchMoE
-from pdserve.ops.moe_grouped import CompiledGroupedMoE, GroupedMoE
+from pdserve.ops.moe_grouped import (
+    COUNTING_SORT_MAX_ROWS,
+    CompiledGroupedMoE,
+    GroupedMoE,
+    counting_sort,
+    radix_sort,
+)
 from tests.counting_backend import CountingBackend
 
 
@@ -39,17 +45,34 @@ def test_grouped_moe_drops_slots_routed_to_other_ranks():
     check_matches_reference("cpu", first_expert=8, extra_ids=8)
 
 
-def test_compiled_grouped_moe_traces_whole_once_for_every_batch_size_and_computes_the_same():
+def test_compiled_grouped_moe_traces_whole_once_each_side_of_the_counting_sort_limit_and_computes_the_same():
     torch._dynamo.reset()
     counting = CountingBackend()
     compiled = CompiledGroupedMoE.build(counting)
-    for seed, num_tokens in enumerate((2, 7, 33)):
+    sizes = (2, 7, 30, 33, 90)  # x 4 slots: 8 and 28 rows counted, 120 to 360 rows radix-sorted
+    assert 28 <= COUNTING_SORT_MAX_ROWS < 120
+    for seed, num_tokens in enumerate(sizes):
         x, ids, weights, w13, w2 = random_moe_inputs("cpu", num_tokens=num_tokens, seed=seed)
         w13, w2 = torch.nn.Parameter(w13, requires_grad=False), torch.nn.Parameter(w2, requires_grad=False)
         with torch.inference_mode():
             torch.testing.assert_close(compiled.forward(x, ids, weights, w13, w2, 0),
                                        GroupedMoE().forward(x, ids, weights, w13, w2, 0))
-    assert counting.graphs == 1
+    assert counting.graphs == 2
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7, 300])
+@pytest.mark.parametrize("sort", [counting_sort, radix_sort])
+def test_sorts_by_group_give_the_grouped_order_its_inverse_and_group_ends(rows, sort):
+    ids = torch.randint(0, 5, (rows,), generator=torch.Generator().manual_seed(rows)) * 2  # odd groups empty
+    order, inverse, group_ends = sort(ids, 10)
+    assert torch.equal(ids[order], torch.sort(ids).values)
+    assert torch.equal(inverse[order].long(), torch.arange(rows))
+    assert group_ends.dtype == torch.int32
+    assert torch.equal(group_ends.long(), torch.bincount(ids, minlength=10).cumsum(0))
+    if sort is counting_sort:  # stable, and traced whole
+        assert torch.equal(order.long(), torch.argsort(ids, stable=True))
+        traced = torch.compile(sort, backend=CountingBackend(), fullgraph=True)(ids, 10)
+        assert all(torch.equal(a, b) for a, b in zip(traced, (order, inverse, group_ends)))
 
 
 def test_grouped_moe_handles_experts_without_tokens():
