@@ -65,11 +65,13 @@ class Dispatcher:
         return any(self._pool.role_of(url) == "both" or has_decode for url, _ in prefill)
 
     def choose(self, prompt_token_ids: list[int], excluded: set[RankKey]) -> Route | None:
-        decode_ranks = [k for k in self._pool.ranks_with_role(("decode",)) if k not in excluded]
-        candidates = [
-            key for key in self._pool.ranks_with_role(("prefill", "both"))
-            if key not in excluded and (self._pool.role_of(key[0]) == "both" or decode_ranks)
-        ]
+        decode_ranks = self._pool.ranks_with_role(("decode",))
+        if excluded:
+            decode_ranks = [k for k in decode_ranks if k not in excluded]
+        # A prefill rank needs a decode rank to pair with; a `both` rank does not.
+        candidates = self._pool.ranks_with_role(("prefill", "both") if decode_ranks else ("both",))
+        if excluded:
+            candidates = [k for k in candidates if k not in excluded]
         if not candidates:
             return None
         loads = self._pool.loads()

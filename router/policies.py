@@ -26,15 +26,13 @@ Policy = Callable[[list[RankKey], dict[RankKey, RankLoad], dict[RankKey, int], R
 
 def normalized_loads(candidates: list[RankKey], loads: dict[RankKey, RankLoad]) -> dict[RankKey, float]:
     """Load in [0, 1]: half queue depth relative to the busiest candidate, half the fraction of pages in use."""
-    queue = {key: (loads[key].running + loads[key].waiting) if key in loads else 0 for key in candidates}
-    busiest = max(queue.values(), default=0)
-    result = {}
-    for key in candidates:
-        queue_load = queue[key] / busiest if busiest else 0.0
-        load = loads.get(key)
-        page_load = 1.0 - load.free_pages / load.total_pages if load and load.total_pages else 0.0
-        result[key] = 0.5 * queue_load + 0.5 * page_load
-    return result
+    rank_loads = [loads.get(key) for key in candidates]
+    queues = [load.running + load.waiting if load else 0 for load in rank_loads]
+    scale = 0.5 / (max(queues, default=0) or 1)  # all idle: every queue is 0 anyway
+    return {
+        key: queue * scale + (0.5 - 0.5 * load.free_pages / load.total_pages if load and load.total_pages else 0.0)
+        for key, queue, load in zip(candidates, queues, rank_loads)
+    }
 
 
 def route_round_robin(candidates, loads, prefix_matches, request: RoutingRequest) -> RankKey:
@@ -43,24 +41,27 @@ def route_round_robin(candidates, loads, prefix_matches, request: RoutingRequest
 
 def route_least_load(candidates, loads, prefix_matches, request: RoutingRequest) -> RankKey:
     normalized = normalized_loads(candidates, loads)
-    # Ties (e.g. all idle) go round robin so an idle cluster still spreads work.
     start = request.sequence_number % len(candidates)
-    rotated = candidates[start:] + candidates[:start]
-    return min(rotated, key=lambda key: normalized[key])
+    best, best_load = candidates[start], float("inf")
+    for key in candidates[start:] + candidates[:start]:  # ties (e.g. all idle) go round robin: the first one wins
+        if normalized[key] < best_load:
+            best, best_load = key, normalized[key]
+    return best
 
 
 def route_prefix(candidates, loads, prefix_matches, request: RoutingRequest, prefix_weight: float, load_weight: float) -> RankKey:
     """score = prefix_weight * matched fraction of the prompt - load_weight * normalized load; highest wins."""
     normalized = normalized_loads(candidates, loads)
     prompt_len = max(1, request.prompt_len)
+    per_token = prefix_weight / prompt_len
     start = request.sequence_number % len(candidates)
-    rotated = candidates[start:] + candidates[:start]
-
-    def score(key: RankKey) -> float:
-        matched_fraction = min(prefix_matches.get(key, 0), prompt_len) / prompt_len
-        return prefix_weight * matched_fraction - load_weight * normalized[key]
-
-    return max(rotated, key=score)
+    best, best_score = candidates[start], float("-inf")
+    for key in candidates[start:] + candidates[:start]:  # the first of equal scores wins: ties go round robin
+        matched = prefix_matches.get(key, 0)
+        score = per_token * (matched if matched < prompt_len else prompt_len) - load_weight * normalized[key]
+        if score > best_score:
+            best, best_score = key, score
+    return best
 
 
 def choose_decode(candidates: list[RankKey], loads: dict[RankKey, RankLoad], sequence_number: int) -> RankKey:

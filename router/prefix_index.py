@@ -110,9 +110,10 @@ class PrefixIndex:
                 continue
             if rank.page_size not in hashes_by_page_size:
                 hashes_by_page_size[rank.page_size] = prefix_page_hashes(prompt_token_ids, rank.page_size)
+            stored, pending = rank.stored, rank.pending
             matched_pages = 0
-            for page_hash in hashes_by_page_size[rank.page_size]:
-                if not rank.holds(page_hash, now):
+            for page_hash in hashes_by_page_size[rank.page_size]:  # RankIndex.holds, inlined: 100s of ranks a call
+                if page_hash not in stored and not (pending and pending.get(page_hash, 0.0) > now):
                     break
                 matched_pages += 1
             matched[key] = matched_pages * rank.page_size

@@ -35,6 +35,15 @@ class WorkerState:
     failing_since_s: float = 0.0  # monotonic time of the first failure of the current streak
     rank_loads: dict[int, RankLoad] = field(default_factory=dict)
     kv_tasks: list[asyncio.Task] = field(default_factory=list)
+    _keys: list[RankKey] = field(default_factory=list, repr=False)
+    _keys_of: WorkerInfo | None = field(default=None, repr=False)  # the info _keys were made from
+
+    def rank_keys(self) -> list[RankKey]:
+        """(url, rank) of each of its ranks, made once per WorkerInfo (a returning worker gets a new one)."""
+        if self._keys_of is not self.info:
+            self._keys = [(self.url, rank.rank) for rank in self.info.ranks] if self.info is not None else []
+            self._keys_of = self.info
+        return self._keys
 
     @property
     def routable(self) -> bool:
@@ -63,6 +72,7 @@ class WorkerPool:
         self._eject_after_failures = eject_after_failures
         self._eject_unresponsive_after_s = eject_unresponsive_after_s
         self.workers: dict[str, WorkerState] = {}
+        self._in_url_order: list[WorkerState] = []  # self.workers' values by URL: the candidates' stable order
         self._supervisor: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -79,12 +89,8 @@ class WorkerPool:
     # --- snapshots for routing -------------------------------------------------------------------------------------
 
     def ranks_with_role(self, roles: tuple[str, ...]) -> list[RankKey]:
-        return [
-            (worker.url, rank.rank)
-            for worker in sorted(self.workers.values(), key=lambda w: w.url)
-            if worker.routable and worker.info.role in roles
-            for rank in worker.info.ranks
-        ]
+        return [key for worker in self._in_url_order if worker.routable and worker.info.role in roles
+                for key in worker.rank_keys()]
 
     def role_of(self, url: str) -> str | None:
         worker = self.workers.get(url)
@@ -127,15 +133,18 @@ class WorkerPool:
 
     def _sync_endpoints(self) -> None:
         urls = {endpoint.url for endpoint in self._discovery.endpoints()}
-        for url in urls - self.workers.keys():
+        added, removed = urls - self.workers.keys(), self.workers.keys() - urls
+        for url in added:
             self.workers[url] = WorkerState(url, WorkerClient(url, self._http, self._health_timeout_s))
             self._metrics.note_worker(url)
-        for url in self.workers.keys() - urls:
+        for url in removed:
             worker = self.workers.pop(url)
             self._stop_kv_subscriptions(worker)
             if worker.info is not None:
                 for rank in worker.info.ranks:
                     self._index.remove_rank((url, rank.rank))
+        if added or removed:
+            self._in_url_order = sorted(self.workers.values(), key=lambda w: w.url)
 
     async def _check(self, worker: WorkerState) -> None:
         try:
