@@ -178,7 +178,8 @@ def fp8_gemm(q: torch.Tensor, scales: torch.Tensor, weight: BlockFP8Weight, rows
 def bf16_grouped_gemm(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor,
                       row_index: torch.Tensor | None = None, tiles: GemmTiles | None = None) -> torch.Tensor:
     """out[i] = x[row_index[i]] (x[i] without an index) times weight[group of i]^T: x [M, K] bf16, weight [groups, N, K]
-    bf16 contiguous along K, `group_ends` [groups] int32 cumulative row ends (rows sorted by group)."""
+    bf16 contiguous along K, `group_ends` [groups] int32 cumulative row ends (rows sorted by group). `tiles` as in
+    fp8_gemm."""
     if weight.stride(-1) != 1 or x.stride(-1) != 1:
         raise ValueError("the bf16 grouped GEMM takes activations and weights contiguous along K")
     rows = row_index.numel() if row_index is not None else x.shape[0]
