@@ -35,16 +35,18 @@ def routed_rows(tokens: int, num_experts: int, device) -> tuple[torch.Tensor, to
     return (order // TOP_K).to(device), ends.to(device), experts.unique().numel()
 
 
-def sweep_line(name: str, tokens: int, rows: int, kernel: str, flops: float, cublas_us: float,
-               run, ref: torch.Tensor, device: torch.device) -> None:
-    """One kernel's line of the prefill table; a tiling that does not fit the SM's shared memory prints as such."""
+def sweep_line(name: str, tokens: int, rows: int, kernel: str, flops: float, cublas_us: float | None,
+               run, ref: torch.Tensor, device: torch.device) -> float:
+    """One kernel's line of the prefill table (`cublas_us` None: this is the cuBLAS line); returns its time. A tiling
+    that does not fit the SM's shared memory prints as such."""
     try:
         us = time_ms(run, device) * 1e3
     except Exception as error:  # triton's OutOfResources and kin: the tiling is not launchable on this GPU
         print(f"| {name} | {tokens} | {rows} | {kernel} | - | - | - | {type(error).__name__} |", flush=True)
-        return
-    print(f"| {name} | {tokens} | {rows} | {kernel} | {us:.1f} | {flops / us / 1e6:.0f} | {cublas_us / us:.2f}x | "
-          f"{errors(run(), ref)[0]:.1e} |", flush=True)
+        return float("nan")
+    print(f"| {name} | {tokens} | {rows} | {kernel} | {us:.1f} | {flops / us / 1e6:.0f} | "
+          f"{(cublas_us or us) / us:.2f}x | {errors(run(), ref)[0]:.1e} |", flush=True)
+    return us
 
 
 def prefill_sweep(device: torch.device) -> None:
@@ -68,10 +70,9 @@ def prefill_sweep(device: torch.device) -> None:
             flops = 2.0 * rows * n * k
             ref = torch.cat([gathered[a:b].float() @ weight[e].float().T for e, (a, b) in
                              enumerate(zip([0] + ends.tolist()[:-1], ends.tolist()))])
-            cublas_us = time_ms(lambda: torch._grouped_mm(x[row_index], weight.transpose(1, 2), offs=ends),
-                                device) * 1e3
-            sweep_line(name, tokens, rows, "cuBLAS + gather", flops, cublas_us,
-                       lambda: torch._grouped_mm(x[row_index], weight.transpose(1, 2), offs=ends), ref, device)
+            cublas_us = sweep_line(name, tokens, rows, "cuBLAS + gather", flops, None,
+                                   lambda: torch._grouped_mm(x[row_index], weight.transpose(1, 2), offs=ends), ref,
+                                   device)
             sweep_line(name, tokens, rows, "cuBLAS, rows gathered", flops, cublas_us,
                        lambda: torch._grouped_mm(gathered, weight.transpose(1, 2), offs=ends), ref, device)
             default = tiles_for(rows / experts)
@@ -88,9 +89,8 @@ def prefill_sweep(device: torch.device) -> None:
             rows = row_index.numel()
             flops = 2.0 * rows * shape[1] * shape[2]
             ref = block_fp8_grouped_linear_reference(x.float(), weight, ends, row_index)
-            cublas_us = time_ms(lambda: torch._grouped_mm(x[row_index], bf16_weight, offs=ends), device) * 1e3
-            sweep_line(name, tokens, rows, "bf16 cuBLAS + gather", flops, cublas_us,
-                       lambda: torch._grouped_mm(x[row_index], bf16_weight, offs=ends), ref, device)
+            cublas_us = sweep_line(name, tokens, rows, "bf16 cuBLAS + gather", flops, None,
+                                   lambda: torch._grouped_mm(x[row_index], bf16_weight, offs=ends), ref, device)
             default = tiles_for(rows / shape[0])
             for tiles in (default,) + tuple(t for t in sweep if t != default):
                 def fp8(tiles=tiles) -> torch.Tensor:

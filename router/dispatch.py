@@ -60,9 +60,10 @@ class Dispatcher:
         self._abort_tasks: set[asyncio.Task] = set()
 
     def can_serve(self) -> bool:
-        prefill = self._pool.ranks_with_role(("prefill", "both"))
-        has_decode = bool(self._pool.ranks_with_role(("decode",)))
-        return any(self._pool.role_of(url) == "both" or has_decode for url, _ in prefill)
+        """A `both` rank, or a prefill rank with a decode rank to pair with (choose's candidates, none excluded)."""
+        if self._pool.ranks_with_role(("both",)):
+            return True
+        return bool(self._pool.ranks_with_role(("prefill",))) and bool(self._pool.ranks_with_role(("decode",)))
 
     def choose(self, prompt_token_ids: list[int], excluded: set[RankKey]) -> Route | None:
         decode_ranks = self._pool.ranks_with_role(("decode",))
