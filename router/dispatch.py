@@ -66,24 +66,22 @@ class Dispatcher:
         return bool(self._pool.ranks_with_role(("prefill",))) and bool(self._pool.ranks_with_role(("decode",)))
 
     def choose(self, prompt_token_ids: list[int], excluded: set[RankKey]) -> Route | None:
-        decode_ranks = self._pool.ranks_with_role(("decode",))
-        if excluded:
-            decode_ranks = [k for k in decode_ranks if k not in excluded]
+        decode_ranks = self._pool.candidates(("decode",), excluded)
         # A prefill rank needs a decode rank to pair with; a `both` rank does not.
-        candidates = self._pool.ranks_with_role(("prefill", "both") if decode_ranks else ("both",))
-        if excluded:
-            candidates = [k for k in candidates if k not in excluded]
-        if not candidates:
+        candidates = self._pool.candidates(("prefill", "both") if decode_ranks.keys else ("both",), excluded)
+        if not candidates.keys:
             return None
-        loads = self._pool.loads()
-        matches = self._index.matched_tokens(candidates, prompt_token_ids)
+        matches = self._index.matched_tokens(prompt_token_ids)
+        by_position = {candidates.position[key]: tokens for key, tokens in matches.items() if key in candidates.position}
         sequence_number = next(self._sequence)
         request = RoutingRequest(prompt_len=len(prompt_token_ids), sequence_number=sequence_number)
-        prefill = self._policy(candidates, loads, matches, request)
+        loads = self._pool.loads_of(candidates)
+        chosen = self._policy(loads, by_position, request)
+        prefill = candidates.keys[chosen]
         if self._pool.role_of(prefill[0]) == "both":
             return Route(prefill, prefill, Plan(kind="both"), matches.get(prefill, 0))
-        decode = choose_decode(decode_ranks, loads, sequence_number)
-        if self._local_prefill.prefill_on_decode(len(prompt_token_ids), loads.get(prefill)):
+        decode = decode_ranks.keys[choose_decode(self._pool.loads_of(decode_ranks), sequence_number)]
+        if self._local_prefill.prefill_on_decode(len(prompt_token_ids), int(loads.queue[chosen])):
             self._metrics.count_local_prefill()
             return Route(decode, decode, Plan(kind="both"), 0)
         plan = Plan(kind="decode", prefill=PrefillSource(url=prefill[0], rank=prefill[1]))

@@ -1,18 +1,18 @@
 """Routing policies: pure functions of snapshots handed to them, never calling discovery or the network.
 
-A policy is `route(candidates, loads, prefix_matches, request) -> chosen candidate`:
-  candidates      ranks that may take the request, as (worker url, rank), in a stable order
-  loads           the last polled load of each rank (absent: not polled yet, treated as idle)
-  prefix_matches  prompt tokens each rank already holds (from the prefix index)
+A policy is `route(loads, prefix_matches, request) -> position of the chosen candidate`, where the candidates are
+the ranks that may take the request in a stable order (the caller holds them; a policy sees only positions):
+  loads           each candidate's queue and page use, as arrays aligned with the candidates
+  prefix_matches  prompt tokens cached on the few candidates holding some of the prompt, by position
   request         the prompt's length and the router's request counter
+Arrays, not a record per rank: a decision at hundreds of ranks then reads a few contiguous arrays.
 """
 
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.wire.protocol import RankLoad
-from pdserve_router.prefix_index import RankKey
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -21,52 +21,52 @@ class RoutingRequest:
     sequence_number: int  # increases by one per routed request; round robin uses it
 
 
-Policy = Callable[[list[RankKey], dict[RankKey, RankLoad], dict[RankKey, int], RoutingRequest], RankKey]
+@dataclass(frozen=True)
+class CandidateLoads:
+    """The load of each candidate, aligned with the candidates: requests queued (running + waiting, plus the
+    router's assignments since the last poll) and the fraction of KV pages in use (0 for a rank not polled yet)."""
+
+    queue: np.ndarray  # int64
+    page_use: np.ndarray  # float64
 
 
-def normalized_loads(candidates: list[RankKey], loads: dict[RankKey, RankLoad]) -> dict[RankKey, float]:
+# (loads, prompt tokens cached by candidate position: positions left out hold none, request) -> chosen position
+Policy = Callable[[CandidateLoads, dict[int, int], RoutingRequest], int]
+
+
+def normalized_loads(loads: CandidateLoads) -> np.ndarray:
     """Load in [0, 1]: half queue depth relative to the busiest candidate, half the fraction of pages in use."""
-    rank_loads = [loads.get(key) for key in candidates]
-    queues = [load.running + load.waiting if load else 0 for load in rank_loads]
-    scale = 0.5 / (max(queues, default=0) or 1)  # all idle: every queue is 0 anyway
-    return {
-        key: queue * scale + (0.5 - 0.5 * load.free_pages / load.total_pages if load and load.total_pages else 0.0)
-        for key, queue, load in zip(candidates, queues, rank_loads)
-    }
+    busiest = int(loads.queue.max(initial=0))
+    return loads.queue * (0.5 / (busiest or 1)) + 0.5 * loads.page_use  # all idle: every queue is 0 anyway
 
 
-def route_round_robin(candidates, loads, prefix_matches, request: RoutingRequest) -> RankKey:
-    return candidates[request.sequence_number % len(candidates)]
+def first_highest(scores: np.ndarray, start: int) -> int:
+    """Position of the highest score; of equal ones, the first met going round from `start` (ties rotate)."""
+    return (int(np.argmax(np.roll(scores, -start))) + start) % len(scores)
 
 
-def route_least_load(candidates, loads, prefix_matches, request: RoutingRequest) -> RankKey:
-    normalized = normalized_loads(candidates, loads)
-    start = request.sequence_number % len(candidates)
-    best, best_load = candidates[start], float("inf")
-    for key in candidates[start:] + candidates[:start]:  # ties (e.g. all idle) go round robin: the first one wins
-        if normalized[key] < best_load:
-            best, best_load = key, normalized[key]
-    return best
+def route_round_robin(loads: CandidateLoads, prefix_matches: dict[int, int], request: RoutingRequest) -> int:
+    return request.sequence_number % len(loads.queue)
 
 
-def route_prefix(candidates, loads, prefix_matches, request: RoutingRequest, prefix_weight: float, load_weight: float) -> RankKey:
+def route_least_load(loads: CandidateLoads, prefix_matches: dict[int, int], request: RoutingRequest) -> int:
+    return first_highest(-normalized_loads(loads), request.sequence_number % len(loads.queue))
+
+
+def route_prefix(loads: CandidateLoads, prefix_matches: dict[int, int], request: RoutingRequest,
+                 prefix_weight: float, load_weight: float) -> int:
     """score = prefix_weight * matched fraction of the prompt - load_weight * normalized load; highest wins."""
-    normalized = normalized_loads(candidates, loads)
+    scores = -load_weight * normalized_loads(loads)
     prompt_len = max(1, request.prompt_len)
     per_token = prefix_weight / prompt_len
-    start = request.sequence_number % len(candidates)
-    best, best_score = candidates[start], float("-inf")
-    for key in candidates[start:] + candidates[:start]:  # the first of equal scores wins: ties go round robin
-        matched = prefix_matches.get(key, 0)
-        score = per_token * (matched if matched < prompt_len else prompt_len) - load_weight * normalized[key]
-        if score > best_score:
-            best, best_score = key, score
-    return best
+    for position, matched in prefix_matches.items():
+        scores[position] += per_token * min(matched, prompt_len)
+    return first_highest(scores, request.sequence_number % len(scores))
 
 
-def choose_decode(candidates: list[RankKey], loads: dict[RankKey, RankLoad], sequence_number: int) -> RankKey:
+def choose_decode(loads: CandidateLoads, sequence_number: int) -> int:
     """Decode ranks hold no reusable prefix for a new request: the least loaded by queue and free pages."""
-    return route_least_load(candidates, loads, {}, RoutingRequest(prompt_len=0, sequence_number=sequence_number))
+    return route_least_load(loads, {}, RoutingRequest(prompt_len=0, sequence_number=sequence_number))
 
 
 @dataclass(frozen=True)
@@ -78,11 +78,9 @@ class LocalPrefillRule:
     max_tokens: int = 0
     min_prefill_queue: int = 1  # ...when the prefill rank has at least this many requests running or waiting
 
-    def prefill_on_decode(self, prompt_tokens: int, prefill_load: RankLoad | None) -> bool:
-        if prompt_tokens > self.max_tokens:
-            return False
-        queue = prefill_load.running + prefill_load.waiting if prefill_load else 0
-        return queue >= self.min_prefill_queue
+    def prefill_on_decode(self, prompt_tokens: int, prefill_queue: int) -> bool:
+        """`prefill_queue`: requests running or waiting on the prefill rank chosen for the prompt."""
+        return prompt_tokens <= self.max_tokens and prefill_queue >= self.min_prefill_queue
 
 
 def make_policy(name: str, prefix_weight: float, load_weight: float) -> Policy:

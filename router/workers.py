@@ -8,15 +8,17 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import aiohttp
 
 from pdserve.discovery.endpoints import Discovery
 from pdserve.wire.client import WorkerClient, WorkerUnavailable
-from pdserve.wire.protocol import RankLoad, WorkerHealth, WorkerInfo
+from pdserve.wire.protocol import LoadReport, RankLoad, WorkerHealth, WorkerInfo
 from pdserve_router.metrics import RouterMetrics
+from pdserve_router.policies import CandidateLoads
 from pdserve_router.prefix_index import PrefixIndex, RankKey
+from pdserve_router.rank_table import Candidates, RankTable
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,8 @@ class WorkerPool:
         self._eject_unresponsive_after_s = eject_unresponsive_after_s
         self.workers: dict[str, WorkerState] = {}
         self._in_url_order: list[WorkerState] = []  # self.workers' values by URL: the candidates' stable order
+        self._table = RankTable()  # rows: the ranks of every worker with info; rebuilt when that set changes
+        self._views: dict[tuple[str, ...], Candidates] = {}  # routable ranks by roles; cleared when routability changes
         self._supervisor: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -88,17 +92,25 @@ class WorkerPool:
 
     # --- snapshots for routing -------------------------------------------------------------------------------------
 
+    def candidates(self, roles: tuple[str, ...], excluded: set[RankKey] | None = None) -> Candidates:
+        """The routable ranks of workers with one of `roles`, in URL order, less `excluded`."""
+        view = self._views.get(roles)
+        if view is None:
+            keys = [key for worker in self._in_url_order if worker.routable and worker.info.role in roles
+                    for key in worker.rank_keys()]
+            view = self._views[roles] = self._table.candidates(keys)
+        return view.without(excluded) if excluded else view
+
     def ranks_with_role(self, roles: tuple[str, ...]) -> list[RankKey]:
-        return [key for worker in self._in_url_order if worker.routable and worker.info.role in roles
-                for key in worker.rank_keys()]
+        return self.candidates(roles).keys
 
     def role_of(self, url: str) -> str | None:
         worker = self.workers.get(url)
         return worker.info.role if worker and worker.info else None
 
-    def loads(self) -> dict[RankKey, RankLoad]:
-        """Polled loads with the router's assignments since the poll added to `waiting` (by `note_assignment`)."""
-        return {(worker.url, rank): load for worker in self.workers.values() for rank, load in worker.rank_loads.items()}
+    def loads_of(self, candidates: Candidates) -> CandidateLoads:
+        """Polled loads with the router's assignments since the poll counted as queued (by `note_assignment`)."""
+        return self._table.loads_of(candidates)
 
     def max_model_len(self) -> int | None:
         lengths = [w.info.max_model_len for w in self.workers.values() if w.routable]
@@ -108,10 +120,7 @@ class WorkerPool:
         return self.workers[url].client
 
     def note_assignment(self, key: RankKey) -> None:
-        worker = self.workers.get(key[0])
-        load = worker.rank_loads.get(key[1]) if worker is not None else None
-        if load is not None:  # counted as waiting until the next poll replaces it
-            worker.rank_loads[key[1]] = replace(load, waiting=load.waiting + 1)
+        self._table.add_waiting(key)
 
     def report_failure(self, url: str) -> None:
         """A request could not reach the worker: route around it until its next health check decides. Only health
@@ -120,6 +129,7 @@ class WorkerPool:
         if worker is not None and not worker.suspect:
             logger.warning("worker %s suspect: a request failed to reach it", url)
             worker.suspect = True
+            self._views.clear()
 
     # --- supervision -----------------------------------------------------------------------------------------------
 
@@ -145,12 +155,17 @@ class WorkerPool:
                     self._index.remove_rank((url, rank.rank))
         if added or removed:
             self._in_url_order = sorted(self.workers.values(), key=lambda w: w.url)
+            self._rebuild_table()
+
+    def _rebuild_table(self) -> None:
+        self._table.rebuild(((worker.url, rank.rank), worker.rank_loads.get(rank.rank))
+                            for worker in self._in_url_order if worker.info is not None for rank in worker.info.ranks)
+        self._views.clear()
 
     async def _check(self, worker: WorkerState) -> None:
         try:
-            worker.health = await worker.client.health()
-            if worker.info is None:
-                worker.info = await worker.client.info()
+            health = await worker.client.health()
+            info = worker.info or await worker.client.info()
             load_report = await worker.client.load()
         except WorkerUnavailable as error:
             self._fail(worker, str(error), error.timed_out)
@@ -158,13 +173,27 @@ class WorkerPool:
         except ValueError as error:  # msgspec could not decode the answer
             self._fail(worker, str(error), timed_out=False)
             return
+        if self._passed_check(worker, health, info, load_report):
+            logger.info("worker %s admitted (%s, %d ranks)", worker.url, worker.info.role, len(worker.info.ranks))
+            self._start_kv_subscriptions(worker)
+
+    def _passed_check(self, worker: WorkerState, health: WorkerHealth, info: WorkerInfo, load_report: LoadReport) -> bool:
+        """Take in what a health check found; True if that admits the worker."""
+        was_routable, had_info = worker.routable, worker.info
+        worker.health, worker.info = health, info
         worker.rank_loads = {load.rank: load for load in load_report.ranks}
         worker.consecutive_failures = 0
         worker.suspect = False
-        if not worker.admitted:
-            worker.admitted = True
-            logger.info("worker %s admitted (%s, %d ranks)", worker.url, worker.info.role, len(worker.info.ranks))
-            self._start_kv_subscriptions(worker)
+        admitted = not worker.admitted
+        worker.admitted = True
+        if worker.info is not had_info:
+            self._rebuild_table()
+        else:
+            for load in load_report.ranks:
+                self._table.set_load((worker.url, load.rank), load)
+            if worker.routable != was_routable:
+                self._views.clear()
+        return admitted
 
     def _fail(self, worker: WorkerState, reason: str, timed_out: bool) -> None:
         """A worker that refuses connections or answers wrongly is gone: ejected after `eject_after_failures` checks.
@@ -181,6 +210,7 @@ class WorkerPool:
             worker.admitted = False
             worker.info = None  # a worker that returns may have restarted with other settings
             worker.rank_loads = {}
+            self._rebuild_table()
             self._stop_kv_subscriptions(worker)
             self._metrics.count_ejection(worker.url)
 

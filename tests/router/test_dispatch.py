@@ -1,4 +1,5 @@
-"""Route choice for disaggregated and `both` workers, on a plain stub of the worker pool's snapshots."""
+"""Route choice for disaggregated and `both` workers, on a real worker pool admitted without the network
+(tests/router/worker_pools.py)."""
 
 from pdserve.wire.block_hash import prefix_page_hashes
 from pdserve.wire.kv_events import KVEvent
@@ -7,21 +8,15 @@ from pdserve_router.dispatch import Dispatcher
 from pdserve_router.metrics import RouterMetrics
 from pdserve_router.policies import LocalPrefillRule, make_policy
 from pdserve_router.prefix_index import PrefixIndex
+from tests.router.worker_pools import admit, pool_of
 
 
-class StubPool:
-    def __init__(self, roles: dict[str, tuple[str, int]], loads: dict | None = None) -> None:
-        self.roles = roles  # url -> (role, number of ranks)
-        self._loads = loads or {}
-
-    def ranks_with_role(self, roles):
-        return [(url, r) for url, (role, count) in sorted(self.roles.items()) if role in roles for r in range(count)]
-
-    def role_of(self, url):
-        return self.roles[url][0]
-
-    def loads(self):
-        return self._loads
+def pool_with(tmp_path, roles: dict[str, tuple[str, int]], loads: dict[str, list[RankLoad]] | None = None):
+    """url -> (role, number of ranks), each admitted (idle unless `loads` names its ranks' loads)."""
+    pool = pool_of(tmp_path / "workers", list(roles))
+    for url, (role, ranks) in roles.items():
+        admit(pool, url, role, ranks, (loads or {}).get(url))
+    return pool
 
 
 def dispatcher(pool, index=None, policy="prefix", local_prefill=LocalPrefillRule()) -> Dispatcher:
@@ -30,8 +25,8 @@ def dispatcher(pool, index=None, policy="prefix", local_prefill=LocalPrefillRule
                       local_prefill=local_prefill)
 
 
-def test_disaggregated_route_sends_to_decode_rank_with_the_prefill_rank_as_source():
-    pool = StubPool({"http://p": ("prefill", 2), "http://d": ("decode", 1)})
+def test_disaggregated_route_sends_to_decode_rank_with_the_prefill_rank_as_source(tmp_path):
+    pool = pool_with(tmp_path, {"http://p": ("prefill", 2), "http://d": ("decode", 1)})
     index = PrefixIndex()
     for rank in (0, 1):
         index.add_rank(("http://p", rank), 4)
@@ -43,18 +38,18 @@ def test_disaggregated_route_sends_to_decode_rank_with_the_prefill_rank_as_sourc
     assert route.matched_tokens == 32
 
 
-def test_both_worker_gets_a_both_plan_on_its_own_rank():
-    route = dispatcher(StubPool({"http://b": ("both", 1)})).choose([1, 2, 3], excluded=set())
+def test_both_worker_gets_a_both_plan_on_its_own_rank(tmp_path):
+    route = dispatcher(pool_with(tmp_path, {"http://b": ("both", 1)})).choose([1, 2, 3], excluded=set())
     assert route.target == route.prefill == ("http://b", 0) and route.plan == Plan(kind="both")
 
 
-def test_prefill_workers_without_any_decode_worker_cannot_serve():
-    chooser = dispatcher(StubPool({"http://p": ("prefill", 1)}))
+def test_prefill_workers_without_any_decode_worker_cannot_serve(tmp_path):
+    chooser = dispatcher(pool_with(tmp_path, {"http://p": ("prefill", 1)}))
     assert chooser.choose([1, 2, 3], excluded=set()) is None and not chooser.can_serve()
 
 
-def test_retry_excludes_ranks_already_tried():
-    pool = StubPool({"http://b1": ("both", 1), "http://b2": ("both", 1)})
+def test_retry_excludes_ranks_already_tried(tmp_path):
+    pool = pool_with(tmp_path, {"http://b1": ("both", 1), "http://b2": ("both", 1)})
     chooser = dispatcher(pool, policy="round_robin")
     first = chooser.choose([1], excluded=set())
     second = chooser.choose([1], excluded={first.prefill})
@@ -62,15 +57,33 @@ def test_retry_excludes_ranks_already_tried():
     assert chooser.choose([1], excluded={first.prefill, second.prefill}) is None
 
 
-def test_conditional_disaggregation_prefills_short_prompts_on_the_decode_rank_only_while_prefill_is_busy():
-    busy = {("http://p", 0): RankLoad(0, running=1, waiting=2, free_pages=10, total_pages=10, prefix_cache_pages=0)}
+def test_conditional_disaggregation_prefills_short_prompts_on_the_decode_rank_only_while_prefill_is_busy(tmp_path):
+    roles = {"http://p": ("prefill", 1), "http://d": ("decode", 1)}
+    busy = {"http://p": [RankLoad(0, running=1, waiting=2, free_pages=10, total_pages=10, prefix_cache_pages=0)]}
     rule = LocalPrefillRule(max_tokens=16, min_prefill_queue=3)
-    chooser = dispatcher(StubPool({"http://p": ("prefill", 1), "http://d": ("decode", 1)}, busy), local_prefill=rule)
+    chooser = dispatcher(pool_with(tmp_path, roles, busy), local_prefill=rule)
     local = chooser.choose(list(range(16)), excluded=set())
     assert local.prefill == local.target == ("http://d", 0) and local.plan == Plan(kind="both")
     long_prompt = chooser.choose(list(range(17)), excluded=set())
     assert long_prompt.target == ("http://d", 0) and long_prompt.plan.kind == "decode"
-    idle = dispatcher(StubPool({"http://p": ("prefill", 1), "http://d": ("decode", 1)}), local_prefill=rule)
+    idle = dispatcher(pool_with(tmp_path, roles), local_prefill=rule)
     assert idle.choose(list(range(16)), excluded=set()).plan.kind == "decode"
-    assert dispatcher(StubPool({"http://p": ("prefill", 1), "http://d": ("decode", 1)}, busy)).choose(
+    assert dispatcher(pool_with(tmp_path, roles, busy)).choose(
         list(range(16)), excluded=set()).plan.kind == "decode"  # off by default
+
+
+def test_prefill_goes_to_the_cached_rank_and_decode_to_the_least_loaded(tmp_path):
+    decode_loads = [RankLoad(0, running=9, waiting=0, free_pages=10, total_pages=64, prefix_cache_pages=0),
+                    RankLoad(1, running=2, waiting=0, free_pages=60, total_pages=64, prefix_cache_pages=0)]
+    pool = pool_with(tmp_path, {"http://p1": ("prefill", 2), "http://p2": ("prefill", 2), "http://d": ("decode", 2)},
+                     {"http://d": decode_loads})
+    index = PrefixIndex()
+    for key in pool.ranks_with_role(("prefill",)):
+        index.add_rank(key, 4)
+        index.apply(key, KVEventBatch(key[1], 0, [KVEvent("cleared")]))
+    prompt = list(range(40))
+    index.apply(("http://p2", 0), KVEventBatch(0, 1, [KVEvent("stored", prefix_page_hashes(prompt, 4)[:6])]))
+    route = dispatcher(pool, index).choose(prompt, excluded=set())
+    assert route.prefill == ("http://p2", 0) and route.matched_tokens == 24 and route.target == ("http://d", 1)
+    retried = dispatcher(pool, index).choose(prompt, excluded={("http://p2", 0), ("http://d", 1)})
+    assert retried.prefill != ("http://p2", 0) and retried.matched_tokens == 0 and retried.target == ("http://d", 0)

@@ -1,50 +1,48 @@
-"""The prefix policy on plain stub snapshots."""
+"""The prefix policy on plain load arrays."""
 
-from pdserve.wire.protocol import RankLoad
-from pdserve_router.policies import RoutingRequest, make_policy, route_prefix
+import numpy as np
 
-A, B, C = ("http://a", 0), ("http://b", 0), ("http://b", 1)
-
-
-def idle(rank: int = 0) -> RankLoad:
-    return RankLoad(rank=rank, running=0, waiting=0, free_pages=100, total_pages=100, prefix_cache_pages=0)
+from pdserve_router.policies import CandidateLoads, RoutingRequest, make_policy, route_prefix
 
 
-def busy(running: int, free_pages: int) -> RankLoad:
-    return RankLoad(rank=0, running=running, waiting=0, free_pages=free_pages, total_pages=100, prefix_cache_pages=0)
+def loads(*queue_and_page_use: tuple[int, float]) -> CandidateLoads:
+    """One (requests queued, fraction of pages in use) per candidate."""
+    return CandidateLoads(np.array([q for q, _ in queue_and_page_use], dtype=np.int64),
+                          np.array([u for _, u in queue_and_page_use], dtype=np.float64))
+
+
+IDLE = (0, 0.0)
 
 
 def test_longest_cached_prefix_wins_when_loads_are_equal():
-    loads = {A: idle(), B: idle(), C: idle()}
-    chosen = route_prefix([A, B, C], loads, {A: 16, B: 64, C: 32}, RoutingRequest(100, 0), prefix_weight=1.0, load_weight=0.5)
-    assert chosen == B
+    chosen = route_prefix(loads(IDLE, IDLE, IDLE), {0: 16, 1: 64, 2: 32}, RoutingRequest(100, 0), prefix_weight=1.0,
+                          load_weight=0.5)
+    assert chosen == 1
 
 
 def test_heavy_load_outweighs_a_small_prefix_match():
-    loads = {A: busy(running=20, free_pages=5), B: idle()}
-    chosen = route_prefix([A, B], loads, {A: 8, B: 0}, RoutingRequest(100, 0), prefix_weight=1.0, load_weight=0.5)
-    assert chosen == B
+    chosen = route_prefix(loads((20, 0.95), IDLE), {0: 8}, RoutingRequest(100, 0), prefix_weight=1.0, load_weight=0.5)
+    assert chosen == 1
 
 
 def test_long_prefix_match_outweighs_moderate_load():
-    loads = {A: busy(running=4, free_pages=60), B: idle()}
-    chosen = route_prefix([A, B], loads, {A: 90, B: 0}, RoutingRequest(100, 0), prefix_weight=1.0, load_weight=0.5)
-    assert chosen == A
+    chosen = route_prefix(loads((4, 0.4), IDLE), {0: 90}, RoutingRequest(100, 0), prefix_weight=1.0, load_weight=0.5)
+    assert chosen == 0
 
 
 def test_zero_prefix_weight_degenerates_to_least_load():
-    loads = {A: busy(running=1, free_pages=90), B: idle()}
-    chosen = route_prefix([A, B], loads, {A: 100}, RoutingRequest(100, 0), prefix_weight=0.0, load_weight=1.0)
-    assert chosen == B
+    chosen = route_prefix(loads((1, 0.1), IDLE), {0: 100}, RoutingRequest(100, 0), prefix_weight=0.0, load_weight=1.0)
+    assert chosen == 1
+
+
+def test_a_match_longer_than_the_prompt_counts_as_the_whole_prompt():
+    # 200 tokens matched of a 100-token prompt is worth 100, not 200: the lighter rank with the same prompt wins.
+    chosen = route_prefix(loads((2, 0.0), (1, 0.0)), {0: 200, 1: 100}, RoutingRequest(100, 0), prefix_weight=1.0,
+                          load_weight=0.5)
+    assert chosen == 1
 
 
 def test_ties_rotate_with_the_request_counter_so_an_idle_cluster_spreads_work():
     policy = make_policy("prefix", prefix_weight=1.0, load_weight=0.5)
-    loads = {A: idle(), B: idle(), C: idle()}
-    chosen = {policy([A, B, C], loads, {}, RoutingRequest(10, sequence)) for sequence in range(3)}
-    assert chosen == {A, B, C}
-
-
-def test_ranks_not_polled_yet_count_as_idle():
-    chosen = route_prefix([A, B], {A: busy(running=8, free_pages=10)}, {}, RoutingRequest(10, 0), prefix_weight=1.0, load_weight=0.5)
-    assert chosen == B
+    chosen = [policy(loads(IDLE, IDLE, IDLE), {}, RoutingRequest(10, sequence)) for sequence in range(6)]
+    assert chosen == [0, 1, 2, 0, 1, 2]

@@ -25,7 +25,7 @@ def fresh_index(clock=None) -> PrefixIndex:
 
 
 def matched(index: PrefixIndex, prompt=PROMPT) -> int:
-    return index.matched_tokens([RANK], prompt)[RANK]
+    return index.matched_tokens(prompt).get(RANK, 0)
 
 
 def test_stored_events_give_the_contiguous_matched_prefix():
@@ -85,4 +85,4 @@ def test_ranks_with_different_page_sizes_are_matched_with_their_own_hashes():
     other = ("http/other", 1)
     index.add_rank(other, 8)
     index.apply(other, KVEventBatch(1, 0, [KVEvent("cleared"), KVEvent("stored", prefix_page_hashes(PROMPT, 8))]))
-    assert index.matched_tokens([RANK, other], PROMPT) == {RANK: 0, other: 16}
+    assert index.matched_tokens(PROMPT) == {other: 16}  # RANK holds none of it: left out

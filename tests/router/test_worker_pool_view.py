@@ -1,40 +1,21 @@
-"""The pool's routing snapshot: ranks in URL order, kept when workers come and go, following a worker's new info.
-Real WorkerPool and file discovery; no worker is contacted (the test fills in what health checks would)."""
+"""The pool's routing snapshot: ranks in URL order, kept when workers come and go, following a worker's new info
+and its polled loads. Real WorkerPool and file discovery (tests/router/worker_pools.py)."""
 
-from pathlib import Path
-
-from pdserve.discovery.endpoints import FileDiscovery, write_endpoints_file
-from pdserve.wire.protocol import RankInfo, WorkerHealth, WorkerInfo
-from pdserve_router.metrics import RouterMetrics
-from pdserve_router.prefix_index import PrefixIndex
-from pdserve_router.workers import WorkerPool
-
-
-def pool_of(path: Path) -> WorkerPool:
-    pool = WorkerPool(FileDiscovery(str(path)), None, PrefixIndex(), RouterMetrics("tiny", "prefix"),
-                      health_interval_s=1.0, health_timeout_s=1.0, eject_after_failures=3,
-                      eject_unresponsive_after_s=10.0)
-    pool._sync_endpoints()
-    return pool
-
-
-def admit(pool: WorkerPool, url: str, role: str, ranks: int) -> None:
-    worker = pool.workers[url]
-    worker.info = WorkerInfo(1, role, "tiny", 4096, [RankInfo(r, 16, 64, f"{url}-{r}") for r in range(ranks)])
-    worker.health = WorkerHealth("ok", role, ranks)
-    worker.admitted = True
+from pdserve.discovery.endpoints import write_endpoints_file
+from pdserve.wire.protocol import RankInfo, RankLoad, WorkerInfo
+from tests.router.worker_pools import admit, pool_of
 
 
 def test_ranks_come_in_url_order_and_follow_workers_that_come_go_and_change(tmp_path):
     workers_file = tmp_path / "workers"
-    write_endpoints_file(str(workers_file), ["http://c", "http://a"])
-    pool = pool_of(workers_file)
+    pool = pool_of(workers_file, ["http://c", "http://a"])
     admit(pool, "http://c", "prefill", 2)
     admit(pool, "http://a", "prefill", 1)
     assert pool.ranks_with_role(("prefill",)) == [("http://a", 0), ("http://c", 0), ("http://c", 1)]
-    pool.workers["http://c"].suspect = True
+    pool.report_failure("http://c")
     assert pool.ranks_with_role(("prefill",)) == [("http://a", 0)]
-    pool.workers["http://c"].suspect = False
+    admit(pool, "http://c", "prefill", 2)  # its next health check passes
+    assert pool.ranks_with_role(("prefill",)) == [("http://a", 0), ("http://c", 0), ("http://c", 1)]
 
     write_endpoints_file(str(workers_file), ["http://c", "http://b"])  # a left, b joined
     pool._sync_endpoints()
@@ -42,5 +23,29 @@ def test_ranks_come_in_url_order_and_follow_workers_that_come_go_and_change(tmp_
     assert pool.ranks_with_role(("prefill",)) == [("http://c", 0), ("http://c", 1)]
     assert pool.ranks_with_role(("decode",)) == [("http://b", 0)]
 
-    admit(pool, "http://c", "prefill", 3)  # restarted with more ranks: a new info
+    restarted = WorkerInfo(1, "prefill", "tiny", 4096, [RankInfo(r, 16, 64, f"c-{r}") for r in range(3)])
+    pool.workers["http://c"].info = None  # ejected, then back with more ranks
+    admit(pool, "http://c", "prefill", 3, info=restarted)
     assert pool.ranks_with_role(("prefill", "decode")) == [("http://b", 0)] + [("http://c", r) for r in range(3)]
+
+
+def test_loads_follow_polls_and_assignments_and_survive_workers_coming(tmp_path):
+    workers_file = tmp_path / "workers"
+    pool = pool_of(workers_file, ["http://a", "http://b"])
+    admit(pool, "http://a", "prefill", 2, [RankLoad(0, 1, 2, 30, 40, 0), RankLoad(1, 0, 0, 40, 40, 0)])
+    admit(pool, "http://b", "prefill", 1)
+    candidates = pool.candidates(("prefill",))
+    assert pool.loads_of(candidates).queue.tolist() == [3, 0, 0]
+    assert pool.loads_of(candidates).page_use.tolist() == [0.25, 0.0, 0.0]
+    pool.note_assignment(("http://a", 1))
+    pool.note_assignment(("http://a", 1))
+    assert pool.loads_of(candidates).queue.tolist() == [3, 2, 0]
+    assert pool.loads_of(pool.candidates(("prefill",), {("http://a", 0)})).queue.tolist() == [2, 0]
+
+    write_endpoints_file(str(workers_file), ["http://a", "http://b", "http://0"])  # a new worker sorts first
+    pool._sync_endpoints()
+    admit(pool, "http://0", "prefill", 1, [RankLoad(0, 5, 0, 0, 40, 0)])
+    admit(pool, "http://b", "prefill", 1, [RankLoad(0, 7, 1, 20, 40, 0)])  # polled again
+    loads = pool.loads_of(pool.candidates(("prefill",)))
+    # a's assignments since its poll are dropped when the table is rebuilt: its next poll counts them again
+    assert loads.queue.tolist() == [5, 3, 0, 8] and loads.page_use.tolist() == [1.0, 0.25, 0.0, 0.5]
