@@ -38,7 +38,8 @@ V2_LITE = Path(__file__).resolve().parents[1] / "pdserve" / "model" / "configs" 
 # Summed over every sample of the family (all ranks): what moved between the workers during one rate.
 SCRAPED = ("pdserve_kv_transfer_bytes_total", "pdserve_kv_transfer_seconds_sum", "pdserve_kv_transfer_seconds_count",
            "pdserve_kv_transfer_failures_total", "pdserve_kv_transfer_descriptors_total",
-           "pdserve_kv_transfer_posting_seconds_total",
+           "pdserve_kv_transfer_posting_seconds_total", "pdserve_kv_transfer_queued_seconds_total",
+           "pdserve_kv_transfer_post_call_seconds_total",
            "pdserve_router_local_prefills_total",
            "pdserve_inter_token_latency_seconds_count")
 # The router's own inter-token histogram, at these bounds: which gaps were already there before the client read them.
@@ -79,8 +80,11 @@ def kv_rate_text(moved: dict[str, float]) -> str:
     # Byte ranges per write: one per layer and run of pages consecutive on both sides, so how fragmented pools were.
     ranges = moved.get("pdserve_kv_transfer_descriptors_total", 0.0) / count
     posting_ms = moved.get("pdserve_kv_transfer_posting_seconds_total", 0.0) / count * 1e3
+    queued_ms = moved.get("pdserve_kv_transfer_queued_seconds_total", 0.0) / count * 1e3
+    post_call_ms = moved.get("pdserve_kv_transfer_post_call_seconds_total", 0.0) / count * 1e3
     return (f"{num_bytes / seconds / 1e9:.1f} GB/s ({num_bytes / count / 1e6:.3g} MB, {seconds / count * 1e3:.1f} "
-            f"ms/write, {posting_ms:.1f} ms of it before posting, {ranges:.0f} byte ranges/write)")
+            f"ms/write, {posting_ms:.1f} ms of it before posting ({queued_ms:.1f} queued for the transfer thread), "
+            f"{post_call_ms:.1f} in NIXL's post call, {ranges:.0f} byte ranges/write)")
 
 
 def cluster_config(args: argparse.Namespace, log_dir: Path) -> tuple[ClusterConfig, str]:

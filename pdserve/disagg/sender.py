@@ -144,6 +144,8 @@ class Sender:
             self._counters.kv_transfer_bytes += result.num_bytes
             self._counters.kv_transfer_descriptors += result.num_descriptors
             self._counters.kv_transfer_posting_seconds += result.posting_seconds
+            self._counters.kv_transfer_queued_seconds += result.queued_seconds
+            self._counters.kv_transfer_post_call_seconds += result.post_call_seconds
             self._counters.kv_transfer_seconds.append(result.seconds)
             self._finish(sending, SenderState.DONE, first)
         else:

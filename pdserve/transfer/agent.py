@@ -39,6 +39,7 @@ class TransferHandle:
     state: TransferState = "pending"
     error: str = ""
     started_s: float = field(default_factory=time.monotonic)
+    posted_s: float = 0.0  # monotonic, when NIXL's post call returned
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +153,7 @@ class KVTransferAgent:
             self._on_error(handle, exc)
             self.release(handle)
             raise TransferError(f"posting write to peer {peer!r} failed: {handle.error}") from exc
+        handle.posted_s = time.monotonic()
         if posted == "DONE":
             handle.state = "done"
         elif posted == "ERR":

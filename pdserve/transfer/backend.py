@@ -25,6 +25,8 @@ class WriteResult:
     # Of those, from asking until NIXL had the write: the wait for the transfer thread and the descriptors' making
     # (0 where a backend moves the bytes as it is asked).
     posting_seconds: float = 0.0
+    queued_seconds: float = 0.0  # of posting_seconds, the wait for the transfer thread to take the write up
+    post_call_seconds: float = 0.0  # NIXL's post call (after posting_seconds; then the bytes are in flight)
 
 
 class TransferBackend(Protocol):

@@ -34,6 +34,7 @@ class _Write:
     handle: TransferHandle
     future: Future
     requested_s: float  # monotonic, when write() was called: the time a write takes includes its wait to be posted
+    taken_s: float  # when the transfer thread took it up
     deadline_s: float
 
 
@@ -75,12 +76,13 @@ class NixlBackend:
         def post() -> None:
             if not future.set_running_or_notify_cancel():
                 return
+            taken_s = time.monotonic()
             try:
                 handle = self._agent.write_pages(peer, src, dst, notif, layers)
             except Exception as error:  # noqa: BLE001 - handed to the caller
                 future.set_exception(error)
                 return
-            self._writes.append(_Write(handle, future, requested_s, handle.started_s + timeout_s))
+            self._writes.append(_Write(handle, future, requested_s, taken_s, handle.started_s + timeout_s))
 
         self._commands.put(post)
         return future
@@ -106,7 +108,11 @@ class NixlBackend:
         while not self._stop.is_set():
             listening = bool(self._writes) or self._expected > 0
             progressed = self._run_commands(wait_s=0.0 if listening else IDLE_WAIT_S)
-            progressed |= self._deliver_notifications()
+            if self._expected > 0 or not listening:
+                # Not while only writes are in flight (a prefill rank's case): each NIXL call gives up the GIL and
+                # waits up to a switch interval to take it back from a busy step thread, so an unneeded call per
+                # check delays every write's completion under load.
+                progressed |= self._deliver_notifications()
             progressed |= self._complete_writes()
             if progressed or not listening:
                 pause_s = MIN_PAUSE_S
@@ -153,8 +159,10 @@ class NixlBackend:
             handle = write.handle
             if state == "done":
                 seconds = time.monotonic() - write.requested_s
-                write.future.set_result(WriteResult(handle.num_bytes, handle.num_descriptors, seconds,
-                                                    handle.started_s - write.requested_s))
+                posted_s = handle.posted_s or handle.started_s  # a notification-only write has no post call
+                write.future.set_result(WriteResult(
+                    handle.num_bytes, handle.num_descriptors, seconds, handle.started_s - write.requested_s,
+                    queued_seconds=write.taken_s - write.requested_s, post_call_seconds=posted_s - handle.started_s))
             elif state == "error":
                 write.future.set_exception(TransferError(f"write to {handle.peer!r} failed: {handle.error}"))
             else:

@@ -46,7 +46,7 @@ class SimulatedLink:
             moved = self.inner.write(peer, src, dst, notif, left_s, layers).result()
             self._inner_s += INNER_MEAN_WEIGHT * (time.monotonic() - inner_started_s - self._inner_s)
             return WriteResult(len(src) * self.bytes_per_page, moved.num_descriptors, time.monotonic() - posted_s,
-                               moved.posting_seconds)
+                               moved.posting_seconds, moved.queued_seconds, moved.post_call_seconds)
 
         return self._link.submit(over_the_link)
 

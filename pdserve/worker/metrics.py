@@ -59,6 +59,11 @@ class WorkerMetrics:
             "pdserve_kv_transfer_posting_seconds": (
                 "Seconds of the KV writes' time before NIXL had them (the transfer thread's queue and the "
                 "descriptors' making), summed", lambda s, c: c.kv_transfer_posting_seconds),
+            "pdserve_kv_transfer_queued_seconds": (
+                "Of the KV writes' time before NIXL had them, the wait for the transfer thread, summed",
+                lambda s, c: c.kv_transfer_queued_seconds),
+            "pdserve_kv_transfer_post_call_seconds": ("Seconds in NIXL's post call of the KV writes, summed",
+                                                      lambda s, c: c.kv_transfer_post_call_seconds),
             "pdserve_kv_reservations_refused": ("Reservation queries refused (unknown request, wrong token, twice)",
                                                 lambda s, c: c.reservations_refused),
             "pdserve_kv_notifications_rejected": ("KV notifications for no reservation awaiting one",

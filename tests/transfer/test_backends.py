@@ -67,7 +67,8 @@ def test_a_write_lands_exactly_and_notifies_once_from_the_backend_thread(pair):
     assert thread_name.startswith("kv-transfer-")
     assert result.num_bytes == len(src) * NUM_LAYERS * PAGE_SIZE * KV_DIM * 4
     assert result.num_descriptors == 2 * NUM_LAYERS  # runs 0-2 -> 3-5 and 7 -> 19, per layer
-    assert 0.0 <= result.posting_seconds <= result.seconds
+    assert 0.0 <= result.queued_seconds <= result.posting_seconds
+    assert 0.0 <= result.post_call_seconds and result.posting_seconds + result.post_call_seconds <= result.seconds
     expected[:, dst] = writer_kv[:, src]
     assert torch.equal(reader_kv, expected)
     assert notifications.received.empty()
@@ -185,7 +186,7 @@ def test_a_write_waiting_for_the_transfer_thread_counts_that_wait_as_time_before
         threading.Timer(0.2, release.set).start()
         result = written.result(WAIT_S)
         assert notifications.next()[1] == b"req-1"
-        assert 0.2 <= result.posting_seconds <= result.seconds
+        assert 0.2 <= result.queued_seconds <= result.posting_seconds <= result.seconds
     finally:
         writer.close()
         reader.close()
