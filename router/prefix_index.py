@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pdserve.wire.block_hash import prefix_page_hashes
+from pdserve.wire.block_hash import iter_prefix_page_hashes, prefix_page_hashes
 from pdserve.wire.protocol import KVEventBatch
 
 RankKey = tuple[str, int]  # (worker url, rank)
@@ -163,18 +163,17 @@ class PrefixIndex:
         matched: dict[RankKey, int] = {}
         for page_size, table in self._tables.items():
             stored, pending = table.stored, table.pending
-            hashes = prefix_page_hashes(prompt_token_ids, page_size)
-            alive = -1  # the ranks holding every page so far: all of them before the first
-            for pages, page_hash in enumerate(hashes):
+            alive, pages = -1, 0  # the ranks holding every page so far (all of them before the first), and those pages
+            for page_hash in iter_prefix_page_hashes(prompt_token_ids, page_size):
                 holding = alive & (stored.get(page_hash, 0) | pending.get(page_hash, 0))
                 if holding != alive and pages:
                     self._credit(matched, alive & ~holding, pages * page_size)
                 alive = holding
                 if not alive:
                     break
-            else:
-                if hashes:
-                    self._credit(matched, alive, len(hashes) * page_size)
+                pages += 1
+            if alive and pages:
+                self._credit(matched, alive, pages * page_size)
         return matched
 
     def expire_pending(self) -> None:

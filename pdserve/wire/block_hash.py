@@ -1,6 +1,7 @@
 """Stable chained hashes of full pages of token ids: the keys the prefix cache reports and the router matches."""
 
 import hashlib
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -15,11 +16,15 @@ def page_hash(parent_hash: int, page_token_ids: list[int]) -> int:
     return int.from_bytes(digest.digest(), "little", signed=False) & ((1 << 63) - 1)
 
 
-def prefix_page_hashes(token_ids: list[int], page_size: int) -> list[int]:
-    """The chained hash of every full page of `token_ids`, in order."""
-    hashes: list[int] = []
+def iter_prefix_page_hashes(token_ids: list[int], page_size: int) -> Iterator[int]:
+    """The chained hash of every full page of `token_ids`, in order, each made when asked for (a lookup that stops
+    at the first page nobody holds hashes no further)."""
     parent = ROOT_HASH
     for start in range(0, len(token_ids) - page_size + 1, page_size):
         parent = page_hash(parent, token_ids[start : start + page_size])
-        hashes.append(parent)
-    return hashes
+        yield parent
+
+
+def prefix_page_hashes(token_ids: list[int], page_size: int) -> list[int]:
+    """The chained hash of every full page of `token_ids`, in order."""
+    return list(iter_prefix_page_hashes(token_ids, page_size))
