@@ -1,3 +1,5 @@
+import random
+
 import pytest
 
 from pdserve.cache.page_allocator import PageAllocator
@@ -84,3 +86,38 @@ def test_pages_freed_in_any_order_go_out_again_as_one_ascending_run():
     again = allocator.alloc(32)
     assert again == list(range(32))
     assert len(page_runs(again, allocator.alloc(32))) == 1
+
+
+def test_a_request_gets_the_lowest_free_run_long_enough_past_lower_holes():
+    allocator = PageAllocator(32)
+    held = allocator.alloc(32)
+    allocator.decref([held[i] for i in (1, 2, 5, 6, 7)] + held[10:20] + held[24:30])
+    assert allocator.alloc(3) == [5, 6, 7]  # not 1, 2, 5
+    assert allocator.alloc(8) == list(range(10, 18))
+    assert allocator.alloc(7) == [1, 2, 18, 19, 24, 25, 26]  # no run of 7 is left: lowest first
+    assert allocator.num_free == 3
+
+
+def test_allocations_match_a_plain_scan_under_random_use():
+    """The byte-map search against the obvious twin: scan for the lowest run of n free pages, else the n lowest."""
+    rng = random.Random(3)
+    allocator, free, held = PageAllocator(200), [True] * 200, []
+    for _ in range(2000):
+        if held and rng.random() < 0.45:
+            pages = held.pop(rng.randrange(len(held)))
+            allocator.decref(pages)
+            for page in pages:
+                free[page] = True
+            continue
+        n = rng.choice((1, 1, 2, 5, 17, 40))
+        runs = [s for s in range(200 - n + 1) if all(free[s : s + n])]
+        expected = list(range(runs[0], runs[0] + n)) if runs else [p for p in range(200) if free[p]][:n]
+        got = allocator.alloc(n)
+        if len(expected) < n:
+            assert got is None
+            continue
+        assert got == expected
+        for page in got:
+            free[page] = False
+        held.append(got)
+        assert allocator.num_free == sum(free)
