@@ -108,11 +108,7 @@ class NixlBackend:
         while not self._stop.is_set():
             listening = bool(self._writes) or self._expected > 0
             progressed = self._run_commands(wait_s=0.0 if listening else IDLE_WAIT_S)
-            if self._expected > 0 or not listening:
-                # Not while only writes are in flight (a prefill rank's case): each NIXL call gives up the GIL and
-                # waits up to a switch interval to take it back from a busy step thread, so an unneeded call per
-                # check delays every write's completion under load.
-                progressed |= self._deliver_notifications()
+            progressed |= self._deliver_notifications()
             progressed |= self._complete_writes()
             if progressed or not listening:
                 pause_s = MIN_PAUSE_S
