@@ -1,7 +1,7 @@
 """Every known rank's load in arrays, kept current as polls and the router's own assignments arrive, and the
 candidate lists a routing decision reads them through. A decision at hundreds of ranks then gathers two contiguous
-arrays instead of visiting a load record per rank, which costs far more when the CPU caches are cold (in service,
-other requests' work runs between two decisions)."""
+arrays (handed to the policy as lists) instead of visiting a load record per rank, which costs far more when the CPU
+caches are cold (in service, other requests' work runs between two decisions)."""
 
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -51,7 +51,7 @@ class RankTable:
         return Candidates(keys, slots, {key: i for i, key in enumerate(keys)})
 
     def loads_of(self, candidates: Candidates) -> CandidateLoads:
-        return CandidateLoads(self._queue[candidates.slots], self._page_use[candidates.slots])
+        return CandidateLoads(self._queue[candidates.slots].tolist(), self._page_use[candidates.slots].tolist())
 
     def set_load(self, key: RankKey, load: RankLoad) -> None:
         slot = self._slot_of.get(key)

@@ -1,6 +1,5 @@
-"""The least-load policy (and the decode choice, which uses it) on plain load arrays."""
+"""The least-load policy (and the decode choice, which uses it) on plain load lists."""
 
-import numpy as np
 import pytest
 
 from pdserve_router.policies import CandidateLoads, RoutingRequest, choose_decode, make_policy, normalized_loads
@@ -8,8 +7,7 @@ from pdserve_router.policies import CandidateLoads, RoutingRequest, choose_decod
 
 def loads(*queue_and_page_use: tuple[int, float]) -> CandidateLoads:
     """One (requests queued, fraction of pages in use) per candidate."""
-    return CandidateLoads(np.array([q for q, _ in queue_and_page_use], dtype=np.int64),
-                          np.array([u for _, u in queue_and_page_use], dtype=np.float64))
+    return CandidateLoads([q for q, _ in queue_and_page_use], [u for _, u in queue_and_page_use])
 
 
 def test_fewer_queued_requests_wins_and_prefix_is_ignored():
@@ -32,7 +30,7 @@ def test_equal_loads_rotate_with_the_request_counter():
 
 
 def test_normalized_load_is_half_queue_half_pages():
-    assert normalized_loads(loads((4, 0.5), (0, 0.0))).tolist() == [pytest.approx(0.75), pytest.approx(0.0)]
+    assert normalized_loads(loads((4, 0.5), (0, 0.0))) == [pytest.approx(0.75), pytest.approx(0.0)]
 
 
 def test_unknown_policy_name_is_rejected():

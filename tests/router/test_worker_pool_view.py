@@ -35,12 +35,12 @@ def test_loads_follow_polls_and_assignments_and_survive_workers_coming(tmp_path)
     admit(pool, "http://a", "prefill", 2, [RankLoad(0, 1, 2, 30, 40, 0), RankLoad(1, 0, 0, 40, 40, 0)])
     admit(pool, "http://b", "prefill", 1)
     candidates = pool.candidates(("prefill",))
-    assert pool.loads_of(candidates).queue.tolist() == [3, 0, 0]
-    assert pool.loads_of(candidates).page_use.tolist() == [0.25, 0.0, 0.0]
+    assert pool.loads_of(candidates).queue == [3, 0, 0]
+    assert pool.loads_of(candidates).page_use == [0.25, 0.0, 0.0]
     pool.note_assignment(("http://a", 1))
     pool.note_assignment(("http://a", 1))
-    assert pool.loads_of(candidates).queue.tolist() == [3, 2, 0]
-    assert pool.loads_of(pool.candidates(("prefill",), {("http://a", 0)})).queue.tolist() == [2, 0]
+    assert pool.loads_of(candidates).queue == [3, 2, 0]
+    assert pool.loads_of(pool.candidates(("prefill",), {("http://a", 0)})).queue == [2, 0]
 
     write_endpoints_file(str(workers_file), ["http://a", "http://b", "http://0"])  # a new worker sorts first
     pool._sync_endpoints()
@@ -48,4 +48,4 @@ def test_loads_follow_polls_and_assignments_and_survive_workers_coming(tmp_path)
     admit(pool, "http://b", "prefill", 1, [RankLoad(0, 7, 1, 20, 40, 0)])  # polled again
     loads = pool.loads_of(pool.candidates(("prefill",)))
     # a's assignments since its poll are dropped when the table is rebuilt: its next poll counts them again
-    assert loads.queue.tolist() == [5, 3, 0, 8] and loads.page_use.tolist() == [1.0, 0.25, 0.0, 0.5]
+    assert loads.queue == [5, 3, 0, 8] and loads.page_use == [1.0, 0.25, 0.0, 0.5]
