@@ -72,7 +72,8 @@ class Dispatcher:
         if not candidates.keys:
             return None
         matches = self._index.matched_tokens(prompt_token_ids)
-        by_position = {candidates.position[key]: tokens for key, tokens in matches.items() if key in candidates.position}
+        position = candidates.position
+        by_position = {position[key]: tokens for key, tokens in matches.items() if key in position}
         sequence_number = next(self._sequence)
         request = RoutingRequest(prompt_len=len(prompt_token_ids), sequence_number=sequence_number)
         loads = self._pool.loads_of(candidates)

@@ -177,7 +177,8 @@ class WorkerPool:
             logger.info("worker %s admitted (%s, %d ranks)", worker.url, worker.info.role, len(worker.info.ranks))
             self._start_kv_subscriptions(worker)
 
-    def _passed_check(self, worker: WorkerState, health: WorkerHealth, info: WorkerInfo, load_report: LoadReport) -> bool:
+    def _passed_check(self, worker: WorkerState, health: WorkerHealth, info: WorkerInfo,
+                      load_report: LoadReport) -> bool:
         """Take in what a health check found; True if that admits the worker."""
         was_routable, had_info = worker.routable, worker.info
         worker.health, worker.info = health, info

@@ -66,4 +66,5 @@ def test_choices_match_the_formula_scored_rank_by_rank():
         walk = [(start + k) % n for k in range(n)]
         best = max(score(p) for p in walk)
         expected = next(p for p in walk if abs(score(p) - best) < 1e-12)
-        assert route_prefix(CandidateLoads(queue, use), matches, request, prefix_weight=1.0, load_weight=0.5) == expected
+        chosen = route_prefix(CandidateLoads(queue, use), matches, request, prefix_weight=1.0, load_weight=0.5)
+        assert chosen == expected

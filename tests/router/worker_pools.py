@@ -27,6 +27,7 @@ def admit(pool: WorkerPool, url: str, role: str, ranks: int, loads: list[RankLoa
           info: WorkerInfo | None = None) -> None:
     """A passed health check: the worker's info (kept from the last check unless given) and its ranks' loads."""
     worker = pool.workers[url]
-    info = info or worker.info or WorkerInfo(1, role, "tiny", 4096, [RankInfo(r, 16, 64, f"{url}-{r}") for r in range(ranks)])
+    ranks_info = [RankInfo(r, 16, 64, f"{url}-{r}") for r in range(ranks)]
+    info = info or worker.info or WorkerInfo(1, role, "tiny", 4096, ranks_info)
     pool._passed_check(worker, WorkerHealth("ok", role, ranks), info,
                        LoadReport(loads or [idle_load(r) for r in range(ranks)]))
