@@ -37,15 +37,6 @@ class WorkerState:
     failing_since_s: float = 0.0  # monotonic time of the first failure of the current streak
     rank_loads: dict[int, RankLoad] = field(default_factory=dict)
     kv_tasks: list[asyncio.Task] = field(default_factory=list)
-    _keys: list[RankKey] = field(default_factory=list, repr=False)
-    _keys_of: WorkerInfo | None = field(default=None, repr=False)  # the info _keys were made from
-
-    def rank_keys(self) -> list[RankKey]:
-        """(url, rank) of each of its ranks, made once per WorkerInfo (a returning worker gets a new one)."""
-        if self._keys_of is not self.info:
-            self._keys = [(self.url, rank.rank) for rank in self.info.ranks] if self.info is not None else []
-            self._keys_of = self.info
-        return self._keys
 
     @property
     def routable(self) -> bool:
@@ -96,8 +87,8 @@ class WorkerPool:
         """The routable ranks of workers with one of `roles`, in URL order, less `excluded`."""
         view = self._views.get(roles)
         if view is None:
-            keys = [key for worker in self._in_url_order if worker.routable and worker.info.role in roles
-                    for key in worker.rank_keys()]
+            keys = [(worker.url, rank.rank) for worker in self._in_url_order
+                    if worker.routable and worker.info.role in roles for rank in worker.info.ranks]
             view = self._views[roles] = self._table.candidates(keys)
         return view.without(excluded) if excluded else view
 

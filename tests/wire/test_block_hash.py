@@ -15,7 +15,6 @@ def test_same_page_under_different_prefix_hashes_differently():
     assert prefix_page_hashes([1, 2, 3, 4, 9, 9, 9, 9], 4) == a  # stable
 
 
-
 def test_hashes_are_stable_across_releases():
     """Workers' prefix caches and routers of other versions must agree on every page's hash."""
     assert page_hash(0, [1, 2, 3, 4]) == 2821693476514209883
