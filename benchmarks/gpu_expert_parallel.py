@@ -5,8 +5,10 @@ Every rank decodes its own batch (DP attention) at the given context, timed over
 Eager steps (default) exchange split sizes (`--exchange splits`) or C rows per peer (`--exchange fixed`); the
 exchange time is measured with device syncs around the collectives (`ExpertParallelMoE(sync_timing=True)`), which
 the step time then includes too. `--graphs` (CUDA, flashinfer) replays each batch size's decode step from a CUDA
-graph holding the fixed-capacity exchange, as the engine does (pdserve/engine/cuda_graphs.py); the exchange is then
-not timed apart. `--ep-one-rank` makes a one-rank instance still exchange (with itself), to check the path on one GPU.
+graph holding the fixed-capacity exchange, as the engine runs them (pdserve/engine/cuda_graphs.py: sequences grow a
+token a step, each step's attention is planned while the previous one runs, and the host does not wait for the
+device between steps); the exchange is then not timed apart. `--trace-dir` writes each rank's profiled steps as a
+timeline and prints where its GPU sat idle (benchmarks/trace_gaps.py). `--ep-one-rank` makes a one-rank instance still exchange (with itself), to check the path on one GPU.
 
     python benchmarks/gpu_expert_parallel.py --ranks 1,2,4 --batches 64,256     # V2-Lite shape, 1..4 GPUs
     python benchmarks/gpu_expert_parallel.py --ranks 1,2 --batches 64,256 --graphs   # EP1 graph vs EP2 graph
@@ -24,15 +26,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from gpu_decode_prefill import DEFAULT_CONFIG, contiguous_batch, step_inputs
+from trace_gaps import summarize
 
 from pdserve.http.ports import free_port
 from pdserve.engine.cuda_graphs import DecodeGraphConfig, DecodeGraphs, leave_process_group
+from pdserve.model.compiled_layers import compile_layers, wants_compiled_layers
 from pdserve.model.config import ModelConfig
 from pdserve.model.loader import build_model
 from pdserve.model.random_init import init_random_weights
 from pdserve.ops.moe import ExpertRange
 from pdserve.ops.moe_ep import ExpertParallelMoE
 from pdserve.ops.select import select_backends
+
+
+PROFILED_STEPS = 3
 
 
 def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, results) -> None:
@@ -58,9 +65,13 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
             experts = ExpertRange(moe.first_expert, moe.experts_per_rank)
             backends = replace(backends, moe=moe)
         model = init_random_weights(build_model(cfg, backends, device, dtype, experts), seed=rank)
+        # as the engine decides: the layers' own work (and the exchange's) compiled into the graphs where it runs them
+        compiled = compile_layers(model) if args.graphs and wants_compiled_layers(args.compile_layers, model) else None
         for batch_size in args.batches:
             kv_lens, query_lens = [args.context] * batch_size, [1] * batch_size
-            num_pages = sum(-(-n // args.page_size) for n in kv_lens)
+            # graph steps grow every sequence by a token a step: pages for each step the script runs
+            longest = args.context + (args.iters + PROFILED_STEPS + 2 if args.graphs else 0)
+            num_pages = batch_size * -(-longest // args.page_size)
             # one page more: the graphs' scratch page for padding rows
             kv_cache = torch.randn(cfg.num_hidden_layers, num_pages + 1, args.page_size, cfg.kv_dim, device=device,
                                    dtype=dtype)
@@ -68,23 +79,28 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
             fixed = moe is not None and args.exchange == "fixed"
             if fixed and not args.graphs:  # a graph holds its own
                 moe.fixed_tokens = batch_size
-            step = graph_step(model, kv_cache, num_pages, moe, ids, positions, kv_lens, args.page_size) \
+            step = graph_step(model, kv_cache, num_pages, moe, ids, kv_lens, longest, args.page_size, compiled) \
                 if args.graphs else eager_step(model, kv_cache, ids, positions, last_rows, query_lens, kv_lens,
                                                args.page_size)
 
             with torch.inference_mode():
                 for _ in range(2):
                     step()
+                finish(device)
                 dist.barrier()
                 exchange_before = moe.exchange.seconds if moe else 0.0
                 started = time.perf_counter()
                 for _ in range(args.iters):
                     step()
+                finish(device)
                 step_s = (time.perf_counter() - started) / args.iters
                 exchange_s = ((moe.exchange.seconds if moe else 0.0) - exchange_before) / args.iters
                 overflowed = moe.overflowed_anywhere() if fixed else False
-                if args.profile:  # every rank steps (the exchange needs them all); rank 0 prints
-                    _profile(step, f"EP{world_size} batch {batch_size}, rank 0" if rank == 0 else None)
+                if args.profile or args.trace_dir:  # every rank steps (the exchange needs them all)
+                    trace = Path(args.trace_dir) / f"ep{world_size}-batch{batch_size}-rank{rank}.json.gz" \
+                        if args.trace_dir else None
+                    _profile(step, f"EP{world_size} batch {batch_size}, rank 0" if rank == 0 and args.profile
+                             else None, trace)
             results.put(dict(ranks=world_size, rank=rank, batch=batch_size, step_ms=step_s * 1e3,
                              exchange_ms=exchange_s * 1e3, expert_gib=model.routed_expert_bytes() / 2**30,
                              overflowed=overflowed))
@@ -95,16 +111,27 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
         leave_process_group()
 
 
-def _profile(step, title: str | None, steps: int = 3) -> None:
+def finish(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _profile(step, title: str | None, trace: Path | None, steps: int = PROFILED_STEPS) -> None:
     """The step's kernels by device time (the graph replay's too: CUPTI sees the kernels of a graph), so an EP step
-    can be split into attention, expert GEMMs, exchange and the small kernels around them."""
+    can be split into attention, expert GEMMs, exchange and the small kernels around them. `trace`: this rank's
+    timeline is written there and its idle gaps printed (benchmarks/trace_gaps.py)."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
+        torch.cuda.synchronize()
     if title:
         print(f"\n{title}: {steps} steps\n" + prof.key_averages().table(sort_by="device_time_total", row_limit=18,
                                                                           max_name_column_width=60), flush=True)
+    if trace:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace))
+        print(f"\n{steps} steps\n" + summarize(trace), flush=True)
 
 
 def eager_step(model, kv_cache, ids, positions, last_rows, query_lens, kv_lens, page_size):
@@ -118,20 +145,23 @@ def eager_step(model, kv_cache, ids, positions, last_rows, query_lens, kv_lens, 
     return step
 
 
-def graph_step(model, kv_cache, scratch_page: int, moe: ExpertParallelMoE | None, ids, positions, kv_lens,
-               page_size: int):
+def graph_step(model, kv_cache, scratch_page: int, moe: ExpertParallelMoE | None, ids, kv_lens, longest: int,
+               page_size: int, compiled):
     """The batch's decode step replayed from a CUDA graph captured at exactly its size (the engine's DecodeGraphs,
-    with the fixed-capacity exchange when `moe` is set)."""
-    pages_per_seq = -(-max(kv_lens) // page_size)
+    with the fixed-capacity exchange when `moe` is set), as the engine runs it: each step one token longer than the
+    last, so the step's attention was planned while the previous one ran, and no wait for the device in between."""
+    pages_per_seq = -(-longest // page_size)
     page_ids = [list(range(i * pages_per_seq, (i + 1) * pages_per_seq)) for i in range(len(kv_lens))]
-    slots = [pages[(n - 1) // page_size] * page_size + (n - 1) % page_size for pages, n in zip(page_ids, kv_lens)]
     graphs = DecodeGraphs(model, kv_cache, page_size, DecodeGraphConfig((len(kv_lens),), pages_per_seq), scratch_page,
-                          moe)
-    host_ids, host_positions = ids.tolist(), positions.tolist()
+                          moe, compiled)
+    host_ids, lens = ids.tolist(), list(kv_lens)
 
     def step() -> None:
-        graphs.run(host_ids, host_positions, slots, kv_lens, page_ids)
-        torch.cuda.synchronize()
+        if max(lens) > longest:
+            raise RuntimeError(f"more steps than the {longest - max(kv_lens)} the KV cache was sized for")
+        slots = [pages[(n - 1) // page_size] * page_size + (n - 1) % page_size for pages, n in zip(page_ids, lens)]
+        graphs.run(host_ids, [n - 1 for n in lens], slots, lens, page_ids)
+        lens[:] = [n + 1 for n in lens]
     return step
 
 
@@ -152,8 +182,12 @@ def main() -> None:
     parser.add_argument("--capacity-factor", type=float, default=2.0, help="fixed exchange: C per peer, as a "
                                                                            "multiple of an even share")
     parser.add_argument("--graphs", action="store_true", help="replay decode from CUDA graphs (fixed exchange)")
+    parser.add_argument("--compile-layers", choices=("auto", "on", "off"), default="auto",
+                        help="graphs: the layers' compiled regions and experts, as the engine's --compile-layers")
     parser.add_argument("--ep-one-rank", action="store_true", help="a one-rank instance exchanges with itself")
     parser.add_argument("--profile", action="store_true", help="rank 0 prints its kernels by device time")
+    parser.add_argument("--trace-dir", help="each rank writes its profiled steps' timeline here and prints its idle "
+                                            "gaps")
     args = parser.parse_args()
     if args.graphs:
         if args.device != "cuda":

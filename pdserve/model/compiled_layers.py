@@ -11,6 +11,7 @@ import torch
 from pdserve.model.deepseek import DeepseekForCausalLM, LayerRegions, attention_inputs, attention_output, mlp_output
 from pdserve.model.fp8_modules import FP8Linear
 from pdserve.ops.moe import MoEBackend
+from pdserve.ops.moe_ep import CompiledExpertParallelMoE, ExpertParallelMoE
 from pdserve.ops.moe_grouped import CompiledGroupedMoE, GroupedMoE
 from pdserve.ops.token_dynamic import compile_token_dynamic
 
@@ -18,7 +19,7 @@ from pdserve.ops.token_dynamic import compile_token_dynamic
 @dataclass(frozen=True)
 class CompiledLayers:
     regions: LayerRegions
-    moe: MoEBackend  # the grouped experts compiled, or the model's own backend (an exchange between ranks is not)
+    moe: MoEBackend  # grouped experts compiled, the exchange between ranks with its tensor work compiled, or as is
 
 
 def compile_layers(model: DeepseekForCausalLM, backend: str | Callable = "inductor") -> CompiledLayers:
@@ -26,7 +27,11 @@ def compile_layers(model: DeepseekForCausalLM, backend: str | Callable = "induct
     regions = LayerRegions(*(compile_token_dynamic(fn, backend) for fn in (attention_inputs, attention_output,
                                                                             mlp_output)))
     moe = model.backends.moe
-    return CompiledLayers(regions, CompiledGroupedMoE.build(backend) if isinstance(moe, GroupedMoE) else moe)
+    if isinstance(moe, GroupedMoE):
+        moe = CompiledGroupedMoE.build(backend)
+    elif isinstance(moe, ExpertParallelMoE):
+        moe = CompiledExpertParallelMoE.build(moe, backend)
+    return CompiledLayers(regions, moe)
 
 
 def wants_compiled_layers(setting: str, model: DeepseekForCausalLM) -> bool:

@@ -90,7 +90,7 @@ def block_fp8_grouped_linear(x: torch.Tensor, weight: BlockFP8Weight, group_ends
                              row_index: torch.Tensor | None = None) -> torch.Tensor:
     """Rows sorted by group, each times its group's weight: row i of the result is x[row_index[i]] (x[i] without an
     index) @ weight[g]^T for the group g whose rows [group_ends[g-1], group_ends[g]) hold i. weight [groups, N, K],
-    group_ends int32 on x's device. Rows past the last end are left unset (none are, the way GroupedMoE sorts)."""
+    group_ends int32 on x's device. Rows past the last end are left unset (GroupedMoE sorts foreign slots there)."""
     if not uses_fp8_kernels(x):
         return block_fp8_grouped_linear_reference(x, weight, group_ends, row_index)
     from pdserve.ops.gemm_triton import fp8_gemm, quantize_rows

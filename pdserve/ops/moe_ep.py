@@ -15,12 +15,15 @@ runs the step again with split sizes (`overflowed_anywhere`), so no result ever 
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from pdserve.ops.moe import MoEBackend, TorchMoE
+from pdserve.ops.moe_grouped import CompiledGroupedMoE, GroupedMoE
+from pdserve.ops.token_dynamic import compile_token_dynamic
 
 
 @dataclass
@@ -49,6 +52,17 @@ def capacity_rows(tokens: int, top_k: int, world_size: int, factor: float) -> in
     return min(pairs, math.ceil(factor * pairs / world_size))
 
 
+@dataclass(frozen=True)
+class FixedExchangeWork:
+    """The fixed-capacity exchange's tensor work around its collectives: placing the pairs in the send buffers, the
+    owner's experts, and putting the returned rows back together. Eager, or compiled for the decode graphs (each is
+    ~20 small kernels a layer eagerly)."""
+
+    place: Callable  # place_pairs
+    local: MoEBackend
+    combine: Callable  # combine_returned
+
+
 class ExpertParallelMoE:
     """MoEBackend over `group`; `local` computes this rank's experts; `sync_timing` waits for the device around the
     exchange so its time is exact; `capacity_factor` sizes the fixed-capacity exchange (capacity_rows)."""
@@ -69,6 +83,7 @@ class ExpertParallelMoE:
         # Tokens per rank of the current fixed-capacity step (every rank alike), or None: split sizes exchanged.
         self.fixed_tokens: int | None = None
         self._overflow: torch.Tensor | None = None  # one persistent flag on the device, raised in place (graph-safe)
+        self.eager_work = FixedExchangeWork(place_pairs, self.local, combine_returned)
 
     def agree_fixed_tokens(self, tokens: int | None) -> int | None:
         """A collective: every rank offers its decode step's token count, or None where its step needs the exchange
@@ -104,20 +119,21 @@ class ExpertParallelMoE:
             self._overflow = torch.zeros(1, dtype=torch.bool, device=device)
         return self._overflow
 
-    def forward(self, x, topk_ids, topk_weights, w13, w2, first_expert: int):
+    def forward(self, x, topk_ids, topk_weights, w13, w2, first_expert: int,
+                work: FixedExchangeWork | None = None):
+        """`work`: the fixed-capacity exchange's tensor work (CompiledExpertParallelMoE's compiled); eager without."""
         if first_expert != self.first_expert or w13.shape[0] != self.experts_per_rank:
             raise ValueError(
                 f"rank {self.rank} should hold experts [{self.first_expert}, +{self.experts_per_rank}), "
                 f"the model holds [{first_expert}, +{w13.shape[0]})"
             )
+        if self.fixed_tokens is not None:
+            return self._exchange_fixed(x, topk_ids, topk_weights, w13, w2, work or self.eager_work)
         num_tokens, k = topk_ids.shape
         flat_ids = topk_ids.reshape(-1)
         owner = torch.div(flat_ids, self.experts_per_rank, rounding_mode="floor")
         order = torch.argsort(owner, stable=True)  # pairs grouped by owner; token order kept inside a group
-        if self.fixed_tokens is not None:
-            per_pair = self._exchange_fixed(x, flat_ids, owner, order, k, w13, w2)
-        else:
-            per_pair = self._exchange_splits(x, flat_ids, owner, order, k, w13, w2)
+        per_pair = self._exchange_splits(x, flat_ids, owner, order, k, w13, w2)
         return _combine(per_pair.view(num_tokens, k, x.shape[1]), topk_ids, topk_weights, x.dtype)
 
     def _exchange_splits(self, x, flat_ids, owner, order, k: int, w13, w2) -> torch.Tensor:
@@ -151,44 +167,36 @@ class ExpertParallelMoE:
         per_pair[order] = back
         return per_pair
 
-    def _exchange_fixed(self, x, flat_ids, owner, order, k: int, w13, w2) -> torch.Tensor:
+    def _exchange_fixed(self, x, topk_ids, topk_weights, w13, w2, work: FixedExchangeWork) -> torch.Tensor:
         """C rows per (rank, peer), padding marked by expert id -1; no host reads, so a graph can hold it. Pairs
         past their owner's C rows are dropped (their output reads as zero) and raise the overflow flag."""
-        num_pairs = flat_ids.shape[0]
+        num_pairs = topk_ids.numel()
+        k = topk_ids.shape[1]
         if num_pairs > self.fixed_tokens * k:
             raise ValueError(f"{num_pairs // k} tokens in a fixed-capacity step of {self.fixed_tokens}")
         capacity = capacity_rows(self.fixed_tokens, k, self.world_size, self.capacity_factor)
         rows = self.world_size * capacity
-        sorted_owner = owner[order]
-        # scatter_add, not bincount: bincount sizes its output from the largest value, which the host would wait for
-        counts = torch.zeros(self.world_size, dtype=torch.int64, device=x.device).scatter_add_(
-            0, owner, torch.ones_like(owner))
-        place = torch.arange(num_pairs, device=x.device) - (torch.cumsum(counts, 0) - counts)[sorted_owner]
-        # Where each sorted pair goes in the send buffer; dropped pairs go to one spare row past the end.
-        slot = torch.where(place < capacity, sorted_owner * capacity + place, rows)
-        self._overflow_flag(x.device).logical_or_((counts > capacity).any())
-        send_x = x.new_zeros(rows + 1, x.shape[1]).index_copy_(0, slot, x[torch.div(order, k, rounding_mode="floor")])
-        send_ids = flat_ids.new_full((rows + 1,), -1).index_copy_(0, slot, flat_ids[order])
+        send_x, send_ids, order, slot, overflowed = work.place(x, topk_ids, self.experts_per_rank, self.world_size,
+                                                               capacity)
+        self._overflow_flag(x.device).logical_or_(overflowed)
 
         started = self._clock()
-        recv_x, recv_ids = torch.empty_like(send_x[:rows]), torch.empty_like(send_ids[:rows])
-        dist.all_to_all_single(recv_x, send_x[:rows], group=self.group)
-        dist.all_to_all_single(recv_ids, send_ids[:rows], group=self.group)
+        recv_x, recv_ids = torch.empty_like(send_x), torch.empty_like(send_ids)
+        dist.all_to_all_single(recv_x, send_x, group=self.group)
+        dist.all_to_all_single(recv_ids, send_ids, group=self.group)
         dispatched = self._clock()
 
-        # Padding rows carry expert -1, which no rank holds: the local backend leaves them zero (weight 0).
-        is_pair = (recv_ids >= 0).to(torch.float32)[:, None]
-        expert_out = self.local.forward(recv_x, recv_ids[:, None], is_pair, w13, w2, self.first_expert)
+        # Padding rows carry expert -1, which no rank holds: the local backend leaves them out (they return unset
+        # rows, which no pair reads).
+        weights = torch.ones(recv_ids.shape[0], 1, dtype=torch.float32, device=x.device)
+        expert_out = work.local.forward(recv_x, recv_ids[:, None], weights, w13, w2, self.first_expert)
 
         combine_started = self._clock()
         back = x.new_zeros(rows + 1, x.shape[1])  # the spare row stays zero: a dropped pair reads it
         dist.all_to_all_single(back[:rows], expert_out, group=self.group)
         self._count(started, dispatched, combine_started, num_pairs)
         self.exchange.fixed_calls += 1
-
-        per_pair = torch.empty(num_pairs, x.shape[1], dtype=x.dtype, device=x.device)
-        per_pair[order] = back[slot]
-        return per_pair
+        return work.combine(back, order, slot, topk_ids, topk_weights)
 
     def _count(self, started: float, dispatched: float, combine_started: float, sent_rows: int) -> None:
         finished = self._clock()
@@ -200,6 +208,56 @@ class ExpertParallelMoE:
         if self.sync_timing and torch.cuda.is_available():
             torch.cuda.synchronize()
         return time.perf_counter()
+
+
+def place_pairs(x: torch.Tensor, topk_ids: torch.Tensor, experts_per_rank: int, world_size: int, capacity: int):
+    """The fixed-capacity send buffers: (send_x [R C, hidden], send_ids [R C] with -1 on padding rows, order, slot,
+    overflowed). Pairs are grouped by owner in token order (`order`: the pairs so sorted); each owner's first C take
+    rows [owner C, owner C + C) of the buffers (`slot`, per sorted pair), the rest go to a spare row past the end
+    (`slot` R C) and raise `overflowed` (0-dim bool)."""
+    k = topk_ids.shape[1]
+    flat_ids = topk_ids.reshape(-1)
+    num_pairs = flat_ids.shape[0]
+    owner = torch.div(flat_ids, experts_per_rank, rounding_mode="floor")
+    order = torch.argsort(owner, stable=True)
+    sorted_owner = owner[order]
+    # scatter_add, not bincount: bincount sizes its output from the largest value, which the host would wait for
+    counts = torch.zeros(world_size, dtype=torch.int64, device=x.device).scatter_add_(0, owner, torch.ones_like(owner))
+    place = torch.arange(num_pairs, device=x.device) - (torch.cumsum(counts, 0) - counts)[sorted_owner]
+    rows = world_size * capacity
+    slot = torch.where(place < capacity, sorted_owner * capacity + place, rows)
+    send_x = x.new_zeros(rows + 1, x.shape[1]).index_copy_(0, slot, x[torch.div(order, k, rounding_mode="floor")])
+    send_ids = flat_ids.new_full((rows + 1,), -1).index_copy_(0, slot, flat_ids[order])
+    return send_x[:rows], send_ids[:rows], order, slot, (counts > capacity).any()
+
+
+def combine_returned(back: torch.Tensor, order: torch.Tensor, slot: torch.Tensor, topk_ids: torch.Tensor,
+                     topk_weights: torch.Tensor) -> torch.Tensor:
+    """Each token's weighted sum of its pairs' expert outputs, read from the returned rows `back` ([R C + 1, hidden],
+    the last row zero for dropped pairs) at the slots place_pairs gave them."""
+    num_tokens, k = topk_ids.shape
+    per_pair = torch.empty(num_tokens * k, back.shape[1], dtype=back.dtype, device=back.device)
+    per_pair[order] = back[slot]
+    return _combine(per_pair.view(num_tokens, k, back.shape[1]), topk_ids, topk_weights, back.dtype)
+
+
+@dataclass(frozen=True)
+class CompiledExpertParallelMoE:
+    """An ExpertParallelMoE whose fixed-capacity steps run their tensor work compiled (inductor fuses each part into
+    a few kernels; the collectives stay between them, eager, so a decode graph captures them as before). Steps with
+    split sizes run as the exchange's own."""
+
+    exchange: ExpertParallelMoE
+    work: FixedExchangeWork
+
+    @classmethod
+    def build(cls, exchange: ExpertParallelMoE, backend: str | Callable = "inductor") -> "CompiledExpertParallelMoE":
+        local = CompiledGroupedMoE.build(backend) if isinstance(exchange.local, GroupedMoE) else exchange.local
+        return cls(exchange, FixedExchangeWork(compile_token_dynamic(place_pairs, backend), local,
+                                               compile_token_dynamic(combine_returned, backend)))
+
+    def forward(self, x, topk_ids, topk_weights, w13, w2, first_expert: int):
+        return self.exchange.forward(x, topk_ids, topk_weights, w13, w2, first_expert, self.work)
 
 
 def _combine(expert_out: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

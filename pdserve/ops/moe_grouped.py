@@ -87,20 +87,20 @@ class GroupedMoE:
         num_local = w13.shape[0]
         local_ids = (topk_ids - first_expert).reshape(-1)
         is_local = (local_ids >= 0) & (local_ids < num_local)
-        # Slots routed to another rank's experts ride along with local expert 0 at weight 0: computed (so finite)
-        # and adding nothing. The expert-parallel layer only ever passes local slots, so this costs nothing there.
-        local_ids = torch.where(is_local, local_ids, 0)
-        weights = torch.where(is_local, topk_weights.reshape(-1), 0.0)
-        order, inverse, group_ends = sort_by_group(local_ids, num_local)
+        # Slots of other ranks' experts (half the rows of the fixed-capacity exchange are such padding) sort into a
+        # group past the last expert, which no GEMM computes: rows past the last group end are left unset.
+        order, inverse, group_ends = sort_by_group(torch.where(is_local, local_ids, num_local), num_local + 1)
+        group_ends = group_ends[:-1]
         gate_up = grouped_linear(x, w13, group_ends, row_index=order // top_k)
         # Inside a compiled region the plain function fuses with its neighbours anyway.
         fused = x.is_cuda and not torch.compiler.is_compiling()
         activation = fused_weighted_silu_and_mul if fused else weighted_silu_and_mul
-        activations = activation(gate_up, weights[order])
+        activations = activation(gate_up, topk_weights.reshape(-1)[order])
         down = grouped_linear(activations, w2, group_ends)
-        # Unsort with a gather (the inverse permutation), then sum each token's k slots (float32 accumulation,
-        # deterministic, unlike an atomic scatter-add).
-        return down[inverse].view(num_tokens, top_k, -1).sum(dim=1)
+        # Unsort with a gather (the inverse permutation), unset rows read as zero (a select: they may hold NaN), then
+        # sum each token's k slots (float32 accumulation, deterministic, unlike an atomic scatter-add).
+        per_slot = torch.where(is_local[:, None], down[inverse], 0)
+        return per_slot.view(num_tokens, top_k, -1).sum(dim=1)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ from spawned_ranks import run_spawned_ranks
 
 from pdserve.http.ports import free_port
 from pdserve.ops.moe import TorchMoE
-from pdserve.ops.moe_ep import ExpertParallelMoE, expert_owner_range
+from pdserve.ops.moe_ep import CompiledExpertParallelMoE, ExpertParallelMoE, expert_owner_range
+from tests.counting_backend import CountingBackend
 
 NUM_EXPERTS, HIDDEN, INTER, TOP_K = 8, 32, 16, 3
 
@@ -27,36 +28,41 @@ def random_problem(tokens_per_rank: list[int]):
     return w13, w2, inputs
 
 
-def _rank_main(rank: int, world_size: int, port: int, tokens_per_rank: list[int], fixed: bool, results) -> None:
+def _rank_main(rank: int, world_size: int, port: int, tokens_per_rank: list[int], mode: str, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         w13, w2, inputs = random_problem(tokens_per_rank)
         first, count = expert_owner_range(rank, world_size, NUM_EXPERTS)
         backend = ExpertParallelMoE(None, NUM_EXPERTS, capacity_factor=world_size)  # C holds every pair
+        fixed = mode != "split-sizes"
         if fixed:
             backend.fixed_tokens = backend.agree_fixed_tokens(tokens_per_rank[rank])
+        # The compiled form traced whole and run as traced (exact, and fast to build): the same ops as eager
+        counting = CountingBackend()
+        runs = CompiledExpertParallelMoE.build(backend, counting) if mode == "fixed-compiled" else backend
         x, ids, weights = inputs[rank]
-        outs = [backend.forward(x, ids, weights, w13[first:first + count], w2[first:first + count], first)
+        outs = [runs.forward(x, ids, weights, w13[first:first + count], w2[first:first + count], first)
                 for _ in range(2)]  # twice: the second call reuses the same group state
         overflowed = backend.overflowed_anywhere() if fixed else False
         # As a numpy array: a tensor would cross as a shared file descriptor, which the parent cannot open once this
         # process has ended (seen in CI: FileNotFoundError in the parent's results.get).
-        results.put((rank, outs[0].numpy(), torch.equal(outs[0], outs[1]), backend.exchange, overflowed))
+        results.put((rank, outs[0].numpy(), torch.equal(outs[0], outs[1]), backend.exchange, overflowed,
+                     counting.graphs))
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(tokens_per_rank: list[int], fixed: bool) -> dict:
+def run_ranks(tokens_per_rank: list[int], mode: str) -> dict:
     world_size, port = len(tokens_per_rank), free_port()
-    return run_spawned_ranks(_rank_main, [(r, world_size, port, tokens_per_rank, fixed) for r in range(world_size)],
+    return run_spawned_ranks(_rank_main, [(r, world_size, port, tokens_per_rank, mode) for r in range(world_size)],
                              60)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("fixed", [False, True], ids=["split-sizes", "fixed-capacity"])
+@pytest.mark.parametrize("mode", ["split-sizes", "fixed-capacity", "fixed-compiled"])
 @pytest.mark.parametrize("tokens_per_rank", [[5, 9], [7, 0, 12, 3]], ids=["world2", "world4-one-empty"])
-def test_expert_parallel_moe_equals_torch_moe_with_all_experts(tokens_per_rank, fixed):
+def test_expert_parallel_moe_equals_torch_moe_with_all_experts(tokens_per_rank, mode):
     w13, w2, inputs = random_problem(tokens_per_rank)
     x = torch.cat([i[0] for i in inputs])
     ids = torch.cat([i[1] for i in inputs])
@@ -67,14 +73,17 @@ def test_expert_parallel_moe_equals_torch_moe_with_all_experts(tokens_per_rank, 
         expected = TorchMoE().forward(x, ids, weights, w13, w2, 0).split(tokens_per_rank)
     finally:
         torch.set_num_threads(threads)
-    got = run_ranks(tokens_per_rank, fixed)
+    got = run_ranks(tokens_per_rank, mode)
+    fixed = mode != "split-sizes"
     for rank, num_tokens in enumerate(tokens_per_rank):
-        out, repeatable, stats, overflowed = got[rank]
+        out, repeatable, stats, overflowed, compiled_graphs = got[rank]
         out = torch.from_numpy(out)
         assert out.shape == (num_tokens, HIDDEN)
         assert torch.equal(out, expected[rank]), f"rank {rank} differs by {(out - expected[rank]).abs().max()}"
         assert repeatable and stats.calls == 2 and stats.fixed_calls == (2 if fixed else 0)
         assert stats.sent_rows == 2 * num_tokens * TOP_K and not overflowed
+        # placing and combining traced once each (an empty rank's zero tokens too), the experts eager (TorchMoE)
+        assert compiled_graphs == (2 if mode == "fixed-compiled" else 0)
 
 
 def _overflow_rank(rank: int, world_size: int, port: int, results) -> None:
@@ -141,18 +150,21 @@ def test_one_rank_nccl_exchange_with_grouped_local_experts_equals_grouped_moe():
 
 
 @pytest.mark.gpu
-@pytest.mark.timeout(120)
-def test_one_rank_fixed_capacity_exchange_replays_in_a_cuda_graph():
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_one_rank_fixed_capacity_exchange_replays_in_a_cuda_graph(compiled):
     """The fixed-capacity exchange holds no host wait: captured once at 64 tokens, replayed on a smaller batch written
-    into the same buffers, it equals GroupedMoE holding every expert (NCCL, one rank, bf16)."""
+    into the same buffers, it equals GroupedMoE holding every expert (NCCL, one rank, bf16); also with its tensor work
+    compiled by inductor, as the decode graphs run it."""
     from pdserve.ops.moe_grouped import GroupedMoE
 
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         gen = torch.Generator().manual_seed(5)
         w13, w2 = gpu_expert_weights(gen)
-        backend = ExpertParallelMoE(None, GPU_EXPERTS, GroupedMoE())
-        backend.fixed_tokens = 64
+        exchange = ExpertParallelMoE(None, GPU_EXPERTS, GroupedMoE())
+        exchange.fixed_tokens = 64
+        backend = CompiledExpertParallelMoE.build(exchange) if compiled else exchange
         x, ids, weights = gpu_tokens(gen, 64)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -172,6 +184,6 @@ def test_one_rank_fixed_capacity_exchange_replays_in_a_cuda_graph():
         expected = GroupedMoE().forward(new_x, new_ids, new_weights, w13, w2, 0).float()
         got = out[:40].float()
         assert ((got - expected).norm() / expected.norm()).item() < 1e-2
-        assert not backend.overflowed_anywhere()
+        assert not exchange.overflowed_anywhere()
     finally:
         dist.destroy_process_group()

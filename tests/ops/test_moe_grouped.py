@@ -45,6 +45,29 @@ def test_grouped_moe_drops_slots_routed_to_other_ranks():
     check_matches_reference("cpu", first_expert=8, extra_ids=8)
 
 
+def test_foreign_slots_are_left_out_of_the_grouped_gemms(monkeypatch):
+    """The GEMMs get group ends covering the local slots only, and whatever they leave in the rows past the last end
+    (here NaN) never reaches the output."""
+    from pdserve.ops import moe_grouped
+    computed_rows, grouped_linear = [], moe_grouped.grouped_linear
+
+    def grouped_linear_leaving_nan(x, weight, group_ends, row_index=None):
+        out = grouped_linear(x, weight, group_ends, row_index)
+        end = int(group_ends[-1])
+        computed_rows.append(end)
+        out[end:] = float("nan")
+        return out
+
+    monkeypatch.setattr(moe_grouped, "grouped_linear", grouped_linear_leaving_nan)
+    x, ids, weights, w13, w2 = random_moe_inputs("cpu", extra_ids=8)
+    ids = ids + 8 - 4  # experts 4..27 routed to, this rank holds 8..23
+    local_slots = int(((ids >= 8) & (ids < 24)).sum())
+    assert 0 < local_slots < ids.numel()
+    out = GroupedMoE().forward(x, ids, weights, w13, w2, 8)
+    assert computed_rows == [local_slots, local_slots]
+    assert rel_err(out, TorchMoE().forward(x, ids, weights, w13, w2, 8)) < 1e-2
+
+
 def test_compiled_grouped_moe_traces_whole_once_each_side_of_the_counting_sort_limit_and_computes_the_same():
     torch._dynamo.reset()
     counting = CountingBackend()
