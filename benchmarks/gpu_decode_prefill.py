@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.model_steps import contiguous_batch, float32_reference_logits, step_inputs
+from benchmarks.trace_gaps import summarize
 from pdserve.engine.cuda_graphs import DecodeGraphConfig, DecodeGraphs
 from pdserve.engine.piecewise_graphs import PiecewiseGraphConfig, PiecewiseGraphs
 from pdserve.model.config import ModelConfig
@@ -130,7 +131,7 @@ def decode_row(model, kv_cache, scratch_page, batch_size, context, page_size, by
 
     with torch.inference_mode():
         eager_ms = timed_ms(eager_step, device)
-    graph_ms = regions_ms = compiled_ms = logits_diff = float("nan")
+    graph_ms = regions_ms = compiled_ms = overlapped_ms = logits_diff = float("nan")
     if use_graph:
         try:
             graph_ms, logits = engine_graph_step_ms(model, kv_cache, scratch_page, query_lens, kv_lens, page_size)
@@ -140,24 +141,29 @@ def decode_row(model, kv_cache, scratch_page, batch_size, context, page_size, by
                 compiled_ms, compiled_logits = engine_graph_step_ms(model, kv_cache, scratch_page, query_lens, kv_lens,
                                                                     page_size, compiled=(True, True))
                 logits_diff = relative_diff(compiled_logits, logits)
+                overlapped_ms, _ = engine_graph_step_ms(model, kv_cache, scratch_page, query_lens, kv_lens, page_size,
+                                                        compiled=(True, True), overlapped=True)
         except Exception as error:  # report and go on: the eager figure still stands
             log(f"cuda graph capture failed at batch {batch_size}: {type(error).__name__}: {error}")
     roofline_ms = roofline_bytes / bytes_per_s * 1e3
-    best = min(t for t in (eager_ms, graph_ms, regions_ms, compiled_ms) if t == t)
+    best = min(t for t in (eager_ms, graph_ms, regions_ms, compiled_ms, overlapped_ms) if t == t)
     return dict(batch=batch_size, context=context, gb=roofline_bytes / 1e9, roofline_ms=roofline_ms,
                 eager_ms=eager_ms, graph_ms=graph_ms, regions_ms=regions_ms, compiled_ms=compiled_ms,
+                overlapped_ms=overlapped_ms,
                 logits_diff=logits_diff,
                 ratio=roofline_ms / best)
 
 
 def engine_graph_step_ms(model, kv_cache, scratch_page, query_lens, kv_lens, page_size, iters: int = 20,
                          compiled: tuple[bool, bool] = (False, False),
-                         profile_log: Callable[[str], None] | None = None
-                         ) -> tuple[float, torch.Tensor]:
+                         profile_log: Callable[[str], None] | None = None, overlapped: bool = False,
+                         trace: Path | None = None) -> tuple[float, torch.Tensor]:
     """The engine's decode path: DecodeGraphs.run (host plan + input copy + replay), synchronised every step as the
-    engine's sampler does, every sequence one token longer each step as in real decoding (the context grows by at
-    most warm-up + iters tokens); sequences own contiguous pages, one spare each for the growth. `compiled`: the
-    layers' regions, and the routed experts' glue, compiled by inductor inside the graphs; `profile_log`: also print one step's device hot spots.
+    engine's sampler did before overlapped scheduling, every sequence one token longer each step as in real decoding
+    (the context grows by at most warm-up + iters tokens); sequences own contiguous pages, one spare each for the
+    growth. `compiled`: the layers' regions, and the routed experts' glue, compiled by inductor inside the graphs;
+    `profile_log`: also print three steps' hot spots (and write their timeline to `trace`). `overlapped`: no wait for the device between steps, as
+    the engine runs them under overlapped scheduling (the host plans and launches a step while the last one runs).
     Returns the step time and the first step's logits."""
     batch_size, context = len(kv_lens), kv_lens[0]
     pages = -(-context // page_size) + 1
@@ -173,7 +179,8 @@ def engine_graph_step_ms(model, kv_cache, scratch_page, query_lens, kv_lens, pag
         pos = length - 1
         slots = [ids[pos // page_size] * page_size + pos % page_size for ids in page_ids]
         graphs.run(input_ids, [pos] * batch_size, slots, [length] * batch_size, page_ids)
-        torch.cuda.synchronize()
+        if not overlapped:
+            torch.cuda.synchronize()
         steps_taken[0] += 1
 
     pos = context - 1
@@ -182,7 +189,7 @@ def engine_graph_step_ms(model, kv_cache, scratch_page, query_lens, kv_lens, pag
     first_logits = first_logits.clone()
     ms = timed_ms(step, kv_cache.device, iters=iters)
     if profile_log is not None:
-        profile_step(step, profile_log)
+        profile_step(step, profile_log, steps=3, trace=trace)
     del graphs
     return ms, first_logits
 
@@ -198,16 +205,22 @@ def relative_diff(logits: torch.Tensor, reference: torch.Tensor) -> float:
     return ((logits - reference).norm() / reference.norm()).item()
 
 
-def profile_step(step: Callable[[], object], log) -> None:
-    """Host and device hot spots of one call of `step` (after a warm-up call)."""
+def profile_step(step: Callable[[], object], log, steps: int = 1, trace: Path | None = None) -> None:
+    """Host and device hot spots of `steps` calls of `step` (after a warm-up call); `trace`: the timeline is written
+    there and the GPU's idle gaps printed (benchmarks/trace_gaps.py)."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
+        for _ in range(steps):
+            step()
         torch.cuda.synchronize()
     log(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    if trace:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace))
+        log(f"{steps} steps\n" + summarize(trace))
     log(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
 
 
@@ -242,7 +255,9 @@ def main() -> None:
     parser.add_argument("--unfused", action="store_true", help="separate GEMMs for the linears that read the same "
                         "input (q and kv_a; gate and up), as before they were fused")
     parser.add_argument("--profile-graph", type=int, default=0, help="print the device hot spots of the engine's "
-                        "graph step (compiled regions) at this batch size, 4k context, and stop")
+                        "graph steps (compiled regions, overlapped) at this batch size, 4k context, and stop")
+    parser.add_argument("--trace-dir", help="--profile-graph also writes the steps' timeline here and prints the "
+                        "GPU's idle gaps")
     parser.add_argument("--check-only", action="store_true", help="only the logits check")
     parser.add_argument("--profile-decode", type=int, default=0, help="print host/device hot spots of one eager "
                         "decode step at this batch size (4k context) after the logits check, then stop")
@@ -316,7 +331,9 @@ def main() -> None:
     if args.profile_graph:
         lens = [4096] * args.profile_graph
         engine_graph_step_ms(model, kv_cache, scratch_page, [1] * args.profile_graph, lens, args.page_size,
-                             compiled=(not args.no_compile,) * 2, profile_log=log)
+                             compiled=(not args.no_compile,) * 2, profile_log=log, overlapped=True,
+                             trace=Path(args.trace_dir) / f"decode-batch{args.profile_graph}.json.gz"
+                             if args.trace_dir else None)
         return
 
     # The engine's steps outside the decode graphs: pieces between the attention calls replayed as CUDA graphs,
@@ -376,12 +393,13 @@ def main() -> None:
 
     log("")
     log("| decode batch | context | bytes read (GB) | roofline (ms) | eager (ms) | engine CUDA graph (ms) | "
-        "graph, layer regions compiled (ms) | graph, regions + experts compiled (ms) | compiled vs graph logits | "
-        "roofline/best |")
-    log("|---|---|---|---|---|---|---|---|---|---|")
+        "graph, layer regions compiled (ms) | graph, regions + experts compiled (ms) | same, overlapped (ms) | "
+        "compiled vs graph logits | roofline/best |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in decode_rows:
         log(f"| {r['batch']} | {r['context']} | {r['gb']:.1f} | {r['roofline_ms']:.2f} | {r['eager_ms']:.2f} | "
-            f"{r['graph_ms']:.2f} | {r['regions_ms']:.2f} | {r['compiled_ms']:.2f} | {r['logits_diff']:.1e} | "
+            f"{r['graph_ms']:.2f} | {r['regions_ms']:.2f} | {r['compiled_ms']:.2f} | {r['overlapped_ms']:.2f} | "
+            f"{r['logits_diff']:.1e} | "
             f"{r['ratio']:.0%} |")
     log("")
     log("| prefill tokens | eager (ms) | compiled regions (ms) | piecewise graphs (ms) | eager tokens/s | "
