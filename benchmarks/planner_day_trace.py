@@ -126,7 +126,8 @@ def run(args: argparse.Namespace) -> None:
                 decisions.append({"wall_s": time.monotonic() - started, "rate": traffic.request_rate * scale,
                                   "current": dataclasses.asdict(current),
                                   "target": dataclasses.asdict(decision.target),
-                                  "ttft_p99_s": traffic.ttft_p99_s / scale, "itl_p99_s": traffic.itl_p99_s / scale})
+                                  "ttft_p99_s": traffic.ttft_p99_s / scale, "itl_p99_s": traffic.itl_p99_s / scale,
+                                  "reasons": list(decision.reasons)})
 
             planner_thread = threading.Thread(target=run_planner, args=(
                 planner, pools, router_urls_now(lambda: [cluster.url]), stop, note), daemon=True)

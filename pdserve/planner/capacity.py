@@ -1,7 +1,9 @@
 """What one rank can take at the SLO, from the model's step profile (the same file the simulated engine steps by):
-prefill tokens per second, kept below a target utilization so prompts seldom queue; and the decode batch whose step
-fits the inter-token latency target, with the tokens per second that batch produces."""
+prefill tokens per second, and the share of it to plan for so that prompts queueing behind each other still meet the
+time-to-first-token target; and the decode batch whose step fits the inter-token latency target, with the tokens per
+second that batch produces."""
 
+import math
 from dataclasses import dataclass
 
 from pdserve.engine.step_profile import StepProfile
@@ -43,3 +45,28 @@ def decode_capacity(profile: StepProfile, step_target_s: float, context_tokens: 
         else:
             high = middle - 1
     return DecodeCapacity(low, step_s(low), meets_itl=True)
+
+
+def prefill_utilization_for_ttft(service_s: float, ttft_budget_s: float, cap: float) -> float:
+    """The largest share of a prefill rank's throughput (at most `cap`) at which a prompt's p99 wait in the rank's
+    queue plus its own prefill (`service_s`, a mean prompt at the rank's throughput) fits `ttft_budget_s`.
+
+    The queue is taken as M/M/1, whose waits have P(W > t) = rho exp(-(1 - rho) t / S): Poisson arrivals (what a
+    router sees of many clients) and exponential service, a deliberate overestimate for prompts packed into chunks.
+    Where even an empty queue misses the budget no share helps (more ranks do not make one prompt faster): `cap`."""
+    if service_s >= ttft_budget_s:
+        return cap
+
+    def p99_ttft_s(rho: float) -> float:
+        if rho >= 1:
+            return math.inf  # the queue grows without bound
+        wait = service_s * math.log(100 * rho) / (1 - rho) if rho > 0.01 else 0.0
+        return wait + service_s
+
+    low, high = 0.0, cap  # p99_ttft_s grows with rho: bisect for the largest that fits
+    if p99_ttft_s(high) <= ttft_budget_s:
+        return cap
+    for _ in range(50):
+        middle = (low + high) / 2
+        low, high = (middle, high) if p99_ttft_s(middle) <= ttft_budget_s else (low, middle)
+    return low

@@ -30,8 +30,10 @@ class PlannerConfig:
     prefill_chunk_tokens: int = setting(EngineConfig.max_num_batched_tokens, "tokens a prefill step takes (the "
                                         "workers' --max-num-batched-tokens; the default is theirs)")
     max_decode_batch: int = setting(256, "sequences a decode rank runs at once (the workers' --max-num-seqs)")
-    prefill_utilization: float = setting(0.7, "share of a prefill rank's throughput to plan for: below 1 so prompts "
-                                              "seldom queue")
+    prefill_utilization: float = setting(0.9, "most of a prefill rank's throughput to plan for; less where the TTFT "
+                                              "target leaves prompts less room to queue")
+    ttft_headroom: float = setting(0.8, "plan prefill so a prompt's modelled p99 queueing and prefill fit this share "
+                                        "of the TTFT target")
     itl_headroom: float = setting(0.8, "plan decode steps of at most this share of the ITL target")
     prefill_ranks_per_worker: int = setting(1, "DP ranks of one prefill worker (pod)")
     decode_ranks_per_worker: int = setting(1, "DP ranks of one decode worker (pod)")
@@ -47,8 +49,8 @@ class PlannerConfig:
     def __post_init__(self) -> None:
         checks = [
             (self.slo_ttft_s > 0 and self.slo_itl_s > 0, "SLO targets must be > 0"),
-            (0 < self.prefill_utilization <= 1 and 0 < self.itl_headroom <= 1,
-             "prefill_utilization and itl_headroom must be in (0, 1]"),
+            (0 < self.prefill_utilization <= 1 and 0 < self.ttft_headroom <= 1 and 0 < self.itl_headroom <= 1,
+             "prefill_utilization, ttft_headroom and itl_headroom must be in (0, 1]"),
             (self.prefill_chunk_tokens >= 1 and self.max_decode_batch >= 1,
              "prefill_chunk_tokens and max_decode_batch must be >= 1"),
             (self.prefill_ranks_per_worker >= 1 and self.decode_ranks_per_worker >= 1, "ranks per worker must be >= 1"),

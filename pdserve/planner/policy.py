@@ -1,20 +1,24 @@
 """The decision: how many prefill and decode workers the traffic of the last interval, extrapolated over the time a
 new worker takes to start, needs at the SLO. Capacity comes from the step profile; measured latency corrects it (a
-pool whose p99 misses its target gets one more worker than the model asked for); pools grow at once and shrink only
-to the largest size needed over a window, so a dip between bursts does not stop workers that must start again."""
+pool whose p99 misses its target gets one more worker than the model asked for, at once where the model has it
+loaded, after a second miss in a row where not); pools grow at once and shrink only to the largest size needed over a
+window, so a dip between bursts does not stop workers that must start again."""
 
 import math
 from collections import deque
 from dataclasses import dataclass
 
 from pdserve.engine.step_profile import StepProfile
-from pdserve.planner.capacity import decode_capacity, prefill_tokens_per_s
+from pdserve.planner.capacity import decode_capacity, prefill_tokens_per_s, prefill_utilization_for_ttft
 from pdserve.planner.config import PlannerConfig
 from pdserve.planner.traffic import Traffic
 
 TREND_POINTS = 4  # intervals the rate's trend is fitted over
 # Lengths assumed until the first request finishes: a chat turn.
 DEFAULT_PROMPT_TOKENS, DEFAULT_OUTPUT_TOKENS = 1024.0, 256.0
+# A pool the model has at least this loaded takes a latency miss as its own at once; a lighter one only a miss that
+# repeats in the next interval (one slow interval there is a long prompt or a host hiccup, not too few workers).
+LOADED_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class Planner:
         self._rates: deque[tuple[float, float]] = deque(maxlen=TREND_POINTS)
         self._needs: deque[tuple[float, PoolSizes]] = deque()
         self._prompt_tokens, self._output_tokens = DEFAULT_PROMPT_TOKENS, DEFAULT_OUTPUT_TOKENS
+        self._missed = (False, False)  # (TTFT, ITL) over target in the last interval
 
     def decide(self, traffic: Traffic, current: PoolSizes, at_s: float) -> Decision:
         cfg = self.cfg
@@ -59,23 +64,38 @@ class Planner:
         # Rising load is planned for where it will be once a new worker is up; falling load, where it is now.
         rate = max(traffic.request_rate, traffic.request_rate + rate_trend(list(self._rates)) * cfg.lookahead_s)
 
-        prefill_ranks = rate * self._prompt_tokens / (self.prefill_rank_tokens_per_s * cfg.prefill_utilization)
+        utilization = prefill_utilization_for_ttft(self._prompt_tokens / self.prefill_rank_tokens_per_s,
+                                                   cfg.slo_ttft_s * cfg.ttft_headroom, cfg.prefill_utilization)
+        prefill_ranks = rate * self._prompt_tokens / (self.prefill_rank_tokens_per_s * utilization)
         decode = decode_capacity(self.profile, cfg.slo_itl_s * cfg.itl_headroom,
                                  self._prompt_tokens + self._output_tokens / 2, cfg.max_decode_batch)
         decode_ranks = rate * self._output_tokens / decode.tokens_per_s
         needed = PoolSizes(math.ceil(prefill_ranks / cfg.prefill_ranks_per_worker - 1e-9),
                            math.ceil(decode_ranks / cfg.decode_ranks_per_worker - 1e-9))
         reasons = [(f"rate {traffic.request_rate:.2f}/s -> {rate:.2f}/s planned, prompt {self._prompt_tokens:.0f} "
-                    f"output {self._output_tokens:.0f} tokens; decode batch {decode.batch} at "
-                    f"{decode.step_s * 1e3:.1f} ms/step")]
+                    f"output {self._output_tokens:.0f} tokens; prefill at {utilization:.0%} of a rank; decode batch "
+                    f"{decode.batch} at {decode.step_s * 1e3:.1f} ms/step")]
         if not decode.meets_itl:
             reasons.append("one sequence alone steps slower than the ITL target: no pool size meets it")
-        if traffic.ttft_p99_s > cfg.slo_ttft_s and needed.prefill <= current.prefill:
-            needed = PoolSizes(current.prefill + 1, needed.decode)
-            reasons.append(f"TTFT p99 {traffic.ttft_p99_s:.2f} s over target: one prefill worker more")
-        if traffic.itl_p99_s > cfg.slo_itl_s and needed.decode <= current.decode:
-            needed = PoolSizes(needed.prefill, current.decode + 1)
-            reasons.append(f"ITL p99 {traffic.itl_p99_s * 1e3:.0f} ms over target: one decode worker more")
+        # The model's load on the pools as they are, each as a share of what it takes at the SLO.
+        prefill_load = prefill_ranks / max(current.prefill * cfg.prefill_ranks_per_worker, 1)
+        decode_load = decode_ranks / max(current.decode * cfg.decode_ranks_per_worker, 1)
+        missed = (traffic.ttft_p99_s > cfg.slo_ttft_s, traffic.itl_p99_s > cfg.slo_itl_s)
+        if missed[0] and needed.prefill <= current.prefill:
+            if prefill_load >= LOADED_SHARE or self._missed[0]:
+                needed = PoolSizes(current.prefill + 1, needed.decode)
+                reasons.append(f"TTFT p99 {traffic.ttft_p99_s:.2f} s over target: one prefill worker more")
+            else:
+                reasons.append(f"TTFT p99 {traffic.ttft_p99_s:.2f} s over target at {prefill_load:.0%} modelled "
+                               "load: counted if it repeats")
+        if missed[1] and needed.decode <= current.decode:
+            if decode_load >= LOADED_SHARE or self._missed[1]:
+                needed = PoolSizes(needed.prefill, current.decode + 1)
+                reasons.append(f"ITL p99 {traffic.itl_p99_s * 1e3:.0f} ms over target: one decode worker more")
+            else:
+                reasons.append(f"ITL p99 {traffic.itl_p99_s * 1e3:.0f} ms over target at {decode_load:.0%} modelled "
+                               "load: counted if it repeats")
+        self._missed = missed
 
         self._needs.append((at_s, needed))
         while self._needs[0][0] < at_s - cfg.scale_down_window_s:
