@@ -59,7 +59,7 @@ class Planner:
     def decide(self, traffic: Traffic, current: PoolSizes, at_s: float) -> Decision:
         cfg = self.cfg
         self._rates.append((at_s, traffic.request_rate))
-        if traffic.request_rate > 0:
+        if traffic.mean_prompt_tokens > 0:  # some request finished: lengths known
             self._prompt_tokens, self._output_tokens = traffic.mean_prompt_tokens, traffic.mean_output_tokens
         # Rising load is planned for where it will be once a new worker is up; falling load, where it is now.
         rate = max(traffic.request_rate, traffic.request_rate + rate_trend(list(self._rates)) * cfg.lookahead_s)

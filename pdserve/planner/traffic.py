@@ -88,10 +88,12 @@ def bucket_delta(later: Buckets, earlier: Buckets) -> Buckets:
 
 @dataclass(frozen=True)
 class Traffic:
-    """The requests that finished between two scrapes."""
+    """The traffic between two scrapes: its rate from the requests that got their first token (a request is counted
+    about a TTFT after it arrived, not a whole generation later, so a burst shows within one interval), its lengths
+    and latencies from the requests that finished."""
 
     duration_s: float
-    request_rate: float  # finished requests per second
+    request_rate: float  # requests per second that got their first token
     mean_prompt_tokens: float
     mean_output_tokens: float
     ttft_p99_s: float
@@ -105,7 +107,8 @@ class Traffic:
         prompt = max(later.prompt_tokens - earlier.prompt_tokens, 0.0)
         generated = max(later.generation_tokens - earlier.generation_tokens, 0.0)
         ttft, itl = bucket_delta(later.ttft, earlier.ttft), bucket_delta(later.itl, earlier.itl)
-        return cls(duration_s, requests / duration_s, prompt / requests if requests else 0.0,
+        started = max(ttft[-1][1], 0.0) if ttft else 0.0  # the +Inf bucket: every first token observed
+        return cls(duration_s, started / duration_s, prompt / requests if requests else 0.0,
                    generated / requests if requests else 0.0,
-                   histogram_quantile(ttft, 0.99) if requests else 0.0,
+                   histogram_quantile(ttft, 0.99) if started else 0.0,
                    histogram_quantile(itl, 0.99) if itl and itl[-1][1] > 0 else 0.0)

@@ -96,3 +96,9 @@ def test_bad_settings_are_refused():
         PlannerConfig(min_prefill=3, max_prefill=2)
     with pytest.raises(ValueError, match="prefill_utilization"):
         PlannerConfig(prefill_utilization=0)
+
+
+def test_an_interval_where_requests_started_but_none_finished_keeps_the_last_known_lengths():
+    planner = Planner(CFG, PROFILE)
+    known = planner.decide(traffic(40.0), PoolSizes(1, 1), at_s=0).needed
+    assert planner.decide(traffic(40.0, prompt=0.0, output=0.0), known, at_s=10).needed == known

@@ -28,6 +28,19 @@ def test_a_router_that_restarted_between_scrapes_reads_as_no_traffic_not_negativ
     assert traffic.request_rate == 0.0 and traffic.mean_prompt_tokens == 0.0 and traffic.itl_p99_s == 0.0
 
 
+def test_the_rate_counts_requests_at_their_first_token_and_the_lengths_come_from_finished_ones():
+    """A burst shows in the interval its first tokens come, before any of its requests has finished."""
+    earlier = RouterCounters(0.0, 10.0, 1000.0, 100.0, ((1.0, 10.0), (float("inf"), 12.0)), ())
+    burst = RouterCounters(10.0, 10.0, 1000.0, 100.0, ((1.0, 40.0), (float("inf"), 62.0)), ())
+    traffic = Traffic.between(earlier, burst)
+    assert traffic.request_rate == pytest.approx(5.0) and traffic.mean_prompt_tokens == 0.0
+    assert traffic.ttft_p99_s == float(1.0)  # the 99th of 50 first tokens lies past the last finite bound
+    finished = RouterCounters(20.0, 14.0, 1800.0, 180.0, burst.ttft, ())
+    after = Traffic.between(burst, finished)
+    assert after.request_rate == 0.0 and after.mean_prompt_tokens == pytest.approx(200.0)
+    assert after.mean_output_tokens == pytest.approx(20.0)
+
+
 def test_requests_through_a_real_router_are_counted_with_their_lengths(pd_cluster):
     url = pd_cluster.url
     model = httpx.get(url + "/v1/models", timeout=TIMEOUT_S).json()["data"][0]["id"]
