@@ -131,25 +131,25 @@ def decode_row(model, kv_cache, scratch_page, batch_size, context, page_size, by
 
     with torch.inference_mode():
         eager_ms = timed_ms(eager_step, device)
-    graph_ms = regions_ms = compiled_ms = overlapped_ms = logits_diff = float("nan")
+    graph_ms = regions_ms = compiled_ms = overlapped_ms = host_ms = logits_diff = float("nan")
     if use_graph:
         try:
-            graph_ms, logits = engine_graph_step_ms(model, kv_cache, scratch_page, query_lens, kv_lens, page_size)
+            graph_ms, logits, _ = engine_graph_step_ms(model, kv_cache, scratch_page, query_lens, kv_lens, page_size)
             if compile_too:
-                regions_ms, _ = engine_graph_step_ms(model, kv_cache, scratch_page, query_lens, kv_lens, page_size,
-                                                     compiled=(True, False))
-                compiled_ms, compiled_logits = engine_graph_step_ms(model, kv_cache, scratch_page, query_lens, kv_lens,
-                                                                    page_size, compiled=(True, True))
+                regions_ms, _, _ = engine_graph_step_ms(model, kv_cache, scratch_page, query_lens, kv_lens, page_size,
+                                                        compiled=(True, False))
+                compiled_ms, compiled_logits, _ = engine_graph_step_ms(model, kv_cache, scratch_page, query_lens,
+                                                                       kv_lens, page_size, compiled=(True, True))
                 logits_diff = relative_diff(compiled_logits, logits)
-                overlapped_ms, _ = engine_graph_step_ms(model, kv_cache, scratch_page, query_lens, kv_lens, page_size,
-                                                        compiled=(True, True), overlapped=True)
+                overlapped_ms, _, host_ms = engine_graph_step_ms(model, kv_cache, scratch_page, query_lens, kv_lens,
+                                                                 page_size, compiled=(True, True), overlapped=True)
         except Exception as error:  # report and go on: the eager figure still stands
             log(f"cuda graph capture failed at batch {batch_size}: {type(error).__name__}: {error}")
     roofline_ms = roofline_bytes / bytes_per_s * 1e3
     best = min(t for t in (eager_ms, graph_ms, regions_ms, compiled_ms, overlapped_ms) if t == t)
     return dict(batch=batch_size, context=context, gb=roofline_bytes / 1e9, roofline_ms=roofline_ms,
                 eager_ms=eager_ms, graph_ms=graph_ms, regions_ms=regions_ms, compiled_ms=compiled_ms,
-                overlapped_ms=overlapped_ms,
+                overlapped_ms=overlapped_ms, host_ms=host_ms,
                 logits_diff=logits_diff,
                 ratio=roofline_ms / best)
 
@@ -157,14 +157,15 @@ def decode_row(model, kv_cache, scratch_page, batch_size, context, page_size, by
 def engine_graph_step_ms(model, kv_cache, scratch_page, query_lens, kv_lens, page_size, iters: int = 20,
                          compiled: tuple[bool, bool] = (False, False),
                          profile_log: Callable[[str], None] | None = None, overlapped: bool = False,
-                         trace: Path | None = None) -> tuple[float, torch.Tensor]:
+                         trace: Path | None = None) -> tuple[float, torch.Tensor, float]:
     """The engine's decode path: DecodeGraphs.run (host plan + input copy + replay), synchronised every step as the
     engine's sampler did before overlapped scheduling, every sequence one token longer each step as in real decoding
     (the context grows by at most warm-up + iters tokens); sequences own contiguous pages, one spare each for the
     growth. `compiled`: the layers' regions, and the routed experts' glue, compiled by inductor inside the graphs;
     `profile_log`: also print three steps' hot spots (and write their timeline to `trace`). `overlapped`: no wait for the device between steps, as
     the engine runs them under overlapped scheduling (the host plans and launches a step while the last one runs).
-    Returns the step time and the first step's logits."""
+    Returns the step time, the first step's logits and, overlapped, the host's busy time a step (a step's wall time
+    less the waits for the device: above the step time's device share, the host is what sets the pace)."""
     batch_size, context = len(kv_lens), kv_lens[0]
     pages = -(-context // page_size) + 1
     graphs = DecodeGraphs(model, kv_cache, page_size, DecodeGraphConfig((batch_size,), pages), scratch_page,
@@ -188,10 +189,35 @@ def engine_graph_step_ms(model, kv_cache, scratch_page, query_lens, kv_lens, pag
                                                               for ids in page_ids], [context] * batch_size, page_ids)
     first_logits = first_logits.clone()
     ms = timed_ms(step, kv_cache.device, iters=iters)
+    host_ms = host_busy_ms(step, iters) if overlapped else float("nan")
     if profile_log is not None:
         profile_step(step, profile_log, steps=3, trace=trace)
     del graphs
-    return ms, first_logits
+    return ms, first_logits, host_ms
+
+
+def host_busy_ms(step: Callable[[], object], iters: int) -> float:
+    """Mean host time of `step` less what it spends waiting in CUDA event syncs (where the overlapped engine waits for
+    the step before last)."""
+    waited = [0.0]
+    sync = torch.cuda.Event.synchronize
+
+    def timed_sync(event):
+        start = time.perf_counter()
+        sync(event)
+        waited[0] += time.perf_counter() - start
+
+    torch.cuda.synchronize()
+    torch.cuda.Event.synchronize = timed_sync
+    try:
+        start = time.perf_counter()
+        for _ in range(iters):
+            step()
+        busy = time.perf_counter() - start - waited[0]
+    finally:
+        torch.cuda.Event.synchronize = sync
+    torch.cuda.synchronize()
+    return busy * 1e3 / iters
 
 
 def _compiled(model, regions: bool, experts: bool) -> CompiledLayers | None:
@@ -394,12 +420,12 @@ def main() -> None:
     log("")
     log("| decode batch | context | bytes read (GB) | roofline (ms) | eager (ms) | engine CUDA graph (ms) | "
         "graph, layer regions compiled (ms) | graph, regions + experts compiled (ms) | same, overlapped (ms) | "
-        "compiled vs graph logits | roofline/best |")
-    log("|---|---|---|---|---|---|---|---|---|---|---|")
+        "host busy a step, overlapped (ms) | compiled vs graph logits | roofline/best |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in decode_rows:
         log(f"| {r['batch']} | {r['context']} | {r['gb']:.1f} | {r['roofline_ms']:.2f} | {r['eager_ms']:.2f} | "
             f"{r['graph_ms']:.2f} | {r['regions_ms']:.2f} | {r['compiled_ms']:.2f} | {r['overlapped_ms']:.2f} | "
-            f"{r['logits_diff']:.1e} | "
+            f"{r['host_ms']:.2f} | {r['logits_diff']:.1e} | "
             f"{r['ratio']:.0%} |")
     log("")
     log("| prefill tokens | eager (ms) | compiled regions (ms) | piecewise graphs (ms) | eager tokens/s | "

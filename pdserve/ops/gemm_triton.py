@@ -199,7 +199,12 @@ def _grouped_gemm(a: torch.Tensor, values: torch.Tensor, rows: int, group_ends: 
     if rows == 0:
         return out
     tiles = tiles or tiles_for(rows / num_groups)
-    m_tiles = triton.cdiv(rows, tiles.block_m) + (0 if single else num_groups)
+    # A group's rows fill whole tiles and at most one partial one, and at most `rows` groups have any: at decode sizes
+    # (6 rows over 64 experts) this launches 6 m-tiles' programs, not 65 that mostly leave at once.
+    if single:
+        m_tiles = triton.cdiv(rows, tiles.block_m)
+    else:
+        m_tiles = rows // tiles.block_m + min(num_groups, rows)
     grid = (m_tiles * triton.cdiv(n, tiles.block_n),)
     stacked = values.dim() == 3
     scales, scale_inv, weight_block_n = fp8_scales if fp8_scales is not None else (a, a, 1)

@@ -204,6 +204,26 @@ def test_bf16_grouped_gemm_matches_float32_at_every_tiling(device, k):
     assert rel_err(bf16_grouped_gemm(x[row_index], weight, ends), reference) < 1e-2
 
 
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_bf16_grouped_gemm_launch_covers_the_worst_split(device):
+    """The launch holds one partial m-tile per group with rows, for at most as many groups as there are rows: decode's
+    few rows over many groups, and every group one row past a whole tile (each needs two tiles) at that bound."""
+    from pdserve.ops.gemm_triton import bf16_grouped_gemm, tiles_for
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    n, k = 64, 128
+    tiles = tiles_for(1)
+    for groups, rows_per_group in ((64, 0), (4, tiles.block_m + 1)):
+        counts = [1 if g % 9 == 0 else 0 for g in range(groups)] if rows_per_group == 0 else [rows_per_group] * groups
+        ends = torch.tensor(counts).cumsum(0).to(device, torch.int32)
+        weight = (torch.randn(groups, n, k, generator=torch.Generator().manual_seed(4)) * k**-0.5).to(device, dtype)
+        x = random_activations(sum(counts), k, device).to(dtype)
+        group_of_row = torch.repeat_interleave(torch.arange(groups), torch.tensor(counts))
+        reference = torch.einsum("rk,rnk->rn", x.float().cpu(), weight.float().cpu()[group_of_row])
+        out = bf16_grouped_gemm(x, weight, ends, None, tiles)
+        assert rel_err(out.cpu(), reference) < 1e-2, (groups, rows_per_group)
+
+
 @pytest.mark.gpu
 def test_dispatch_takes_the_kernels_for_bf16_on_cuda_and_the_reference_otherwise():
     for shape in [(576, 7168), (2048, 7168)]:  # Triton; cuBLAS on SM90
