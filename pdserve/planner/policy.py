@@ -1,8 +1,9 @@
 """The decision: how many prefill and decode workers the traffic of the last interval, extrapolated over the time a
 new worker takes to start, needs at the SLO. Capacity comes from the step profile; measured latency corrects it (a
 pool whose p99 misses its target gets one more worker than the model asked for, at once where the model has it
-loaded, after a second miss in a row where not); pools grow at once and shrink only to the largest size needed over a
-window, so a dip between bursts does not stop workers that must start again."""
+loaded, after a second miss in a row where not, and not again while the workers already added for misses have only
+lowered its load); pools grow at once and shrink only to the largest size needed over a window, so a dip between
+bursts does not stop workers that must start again."""
 
 import math
 from collections import deque
@@ -54,7 +55,10 @@ class Planner:
         self._rates: deque[tuple[float, float]] = deque(maxlen=TREND_POINTS)
         self._needs: deque[tuple[float, PoolSizes]] = deque()
         self._prompt_tokens, self._output_tokens = DEFAULT_PROMPT_TOKENS, DEFAULT_OUTPUT_TOKENS
-        self._missed = (False, False)  # (TTFT, ITL) over target in the last interval
+        # Per pool (prefill, decode): its latency over target in the last interval, and the modelled load at which a
+        # worker was last added for a miss (None once an interval passes without one).
+        self._missed = [False, False]
+        self._corrected_at_load: list[float | None] = [None, None]
 
     def decide(self, traffic: Traffic, current: PoolSizes, at_s: float) -> Decision:
         cfg = self.cfg
@@ -80,22 +84,16 @@ class Planner:
         # The model's load on the pools as they are, each as a share of what it takes at the SLO.
         prefill_load = prefill_ranks / max(current.prefill * cfg.prefill_ranks_per_worker, 1)
         decode_load = decode_ranks / max(current.decode * cfg.decode_ranks_per_worker, 1)
-        missed = (traffic.ttft_p99_s > cfg.slo_ttft_s, traffic.itl_p99_s > cfg.slo_itl_s)
-        if missed[0] and needed.prefill <= current.prefill:
-            if prefill_load >= LOADED_SHARE or self._missed[0]:
-                needed = PoolSizes(current.prefill + 1, needed.decode)
-                reasons.append(f"TTFT p99 {traffic.ttft_p99_s:.2f} s over target: one prefill worker more")
-            else:
-                reasons.append(f"TTFT p99 {traffic.ttft_p99_s:.2f} s over target at {prefill_load:.0%} modelled "
-                               "load: counted if it repeats")
-        if missed[1] and needed.decode <= current.decode:
-            if decode_load >= LOADED_SHARE or self._missed[1]:
-                needed = PoolSizes(needed.prefill, current.decode + 1)
-                reasons.append(f"ITL p99 {traffic.itl_p99_s * 1e3:.0f} ms over target: one decode worker more")
-            else:
-                reasons.append(f"ITL p99 {traffic.itl_p99_s * 1e3:.0f} ms over target at {decode_load:.0%} modelled "
-                               "load: counted if it repeats")
-        self._missed = missed
+        ttft = f"TTFT p99 {traffic.ttft_p99_s:.2f} s"
+        if self._corrects(0, traffic.ttft_p99_s > cfg.slo_ttft_s, prefill_load, needed.prefill <= current.prefill,
+                          ttft, reasons):
+            needed = PoolSizes(current.prefill + 1, needed.decode)
+            reasons.append(f"{ttft} over target: one prefill worker more")
+        itl = f"ITL p99 {traffic.itl_p99_s * 1e3:.0f} ms"
+        if self._corrects(1, traffic.itl_p99_s > cfg.slo_itl_s, decode_load, needed.decode <= current.decode,
+                          itl, reasons):
+            needed = PoolSizes(needed.prefill, current.decode + 1)
+            reasons.append(f"{itl} over target: one decode worker more")
 
         self._needs.append((at_s, needed))
         while self._needs[0][0] < at_s - cfg.scale_down_window_s:
@@ -104,3 +102,27 @@ class Planner:
             min(max(max(n.prefill for _, n in self._needs), cfg.min_prefill), cfg.max_prefill),
             min(max(max(n.decode for _, n in self._needs), cfg.min_decode), cfg.max_decode))
         return Decision(at_s, rate, needed, target, tuple(reasons))
+
+    def _corrects(self, pool: int, missed: bool, load: float, model_suffices: bool, measured: str,
+                  reasons: list[str]) -> bool:
+        """Whether a latency miss of `pool` (0 prefill, 1 decode) at this modelled `load` earns it a worker beyond
+        what the model asks. A miss the model already answers needs none. A loaded pool's always does; a light
+        pool's only when it repeats, and not while a worker added for an earlier miss has only lowered the load: one
+        more did not help there, so the miss is not a lack of workers."""
+        repeated, corrected_at = self._missed[pool], self._corrected_at_load[pool]
+        self._missed[pool] = missed
+        if not missed:
+            self._corrected_at_load[pool] = None
+            return False
+        if not model_suffices:
+            return False
+        if load < LOADED_SHARE:
+            if not repeated:
+                reasons.append(f"{measured} over target at {load:.0%} modelled load: counted if it repeats")
+                return False
+            if corrected_at is not None and load < corrected_at:
+                reasons.append(f"{measured} over target at {load:.0%} modelled load, after a worker added for it at "
+                               f"{corrected_at:.0%}: not counted")
+                return False
+        self._corrected_at_load[pool] = load
+        return True

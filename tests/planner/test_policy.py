@@ -91,6 +91,24 @@ def test_a_lightly_loaded_pool_counts_a_latency_miss_only_when_it_repeats():
         assert recovered.needed == PoolSizes(1, 1)
 
 
+def test_a_worker_added_for_a_miss_is_not_followed_by_more_while_the_miss_stays_at_a_lower_load():
+    """The miss that outlives the worker added for it, at the lower load that worker made, is not a lack of workers:
+    no more are added until the load comes back or an interval passes without a miss."""
+    decode = decode_capacity(PROFILE, CFG.slo_itl_s * CFG.itl_headroom, 2000 + 200 / 2, CFG.max_decode_batch)
+    rate = 0.75 * decode.tokens_per_s / 200  # three quarters of one decode rank: loaded alone, light with two
+    slow = dict(itl_p99_s=CFG.slo_itl_s * 2)
+    planner = Planner(CFG, PROFILE)
+    assert planner.decide(traffic(rate), PoolSizes(8, 1), at_s=0).needed.decode == 1
+    loaded_miss = planner.decide(traffic(rate, **slow), PoolSizes(8, 1), at_s=10)
+    assert loaded_miss.needed.decode == 2 and "one decode worker more" in loaded_miss.reasons[-1]
+    for at_s in (20, 30):  # light now, missing again and again: the worker added did not help
+        stays = planner.decide(traffic(rate, **slow), PoolSizes(8, 2), at_s=at_s)
+        assert stays.needed.decode == 1 and "after a worker added for it at 75%: not counted" in stays.reasons[-1]
+    planner.decide(traffic(rate), PoolSizes(8, 2), at_s=40)  # no miss: the record goes
+    assert "counted if it repeats" in planner.decide(traffic(rate, **slow), PoolSizes(8, 2), at_s=50).reasons[-1]
+    assert planner.decide(traffic(rate, **slow), PoolSizes(8, 2), at_s=60).needed.decode == 3
+
+
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="min <= max"):
         PlannerConfig(min_prefill=3, max_prefill=2)
