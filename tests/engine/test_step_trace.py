@@ -128,7 +128,7 @@ def test_an_idle_wait_is_no_part_of_the_last_steps_turn(traced):
 
 def test_a_turn_records_the_time_the_process_spent_collecting_garbage(traced):
     loop, path = traced
-    loop.steps.test_step_delay_s = 0.02  # the prompt's four steps outlast the two calls below
+    loop.steps.test_step_delay_s = 0.1  # the prompt's four steps outlast the two calls below, even on a busy machine
     prompt = list(range(5, 45))
     asyncio.run(loop.steps.call(lambda: loop.steps.engine.add_request("collected", prompt, GREEDY)))
     asyncio.run(loop.steps.call(gc.collect))  # between two of its steps: inside a traced turn
