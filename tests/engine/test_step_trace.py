@@ -126,12 +126,22 @@ def test_an_idle_wait_is_no_part_of_the_last_steps_turn(traced):
     assert records[4].t_s - records[3].t_s > 0.6 + records[3].turn_ms / 1000
 
 
+def collect_cycles() -> None:
+    """A collection with work to do: after earlier tests froze the heap, a bare gc.collect() can take under the
+    trace's resolution."""
+    cycles = [[] for _ in range(200_000)]
+    for cycle in cycles:
+        cycle.append(cycle)
+    del cycles
+    gc.collect()
+
+
 def test_a_turn_records_the_time_the_process_spent_collecting_garbage(traced):
     loop, path = traced
     loop.steps.test_step_delay_s = 0.1  # the prompt's four steps outlast the two calls below, even on a busy machine
     prompt = list(range(5, 45))
     asyncio.run(loop.steps.call(lambda: loop.steps.engine.add_request("collected", prompt, GREEDY)))
-    asyncio.run(loop.steps.call(gc.collect))  # between two of its steps: inside a traced turn
+    asyncio.run(loop.steps.call(collect_cycles))  # between two of its steps: inside a traced turn
     assert eventually(lambda: "collected" in loop.finished, timeout_s=20)
     loop.steps.stop()
     records = read_trace(path)
