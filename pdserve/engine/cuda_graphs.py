@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,9 @@ from pdserve.ops.attention_flashinfer import WORKSPACE_BYTES, FlashInferMLA, Fla
 from pdserve.ops.expert_load import mark_real_rows
 from pdserve.ops.moe_ep import ExpertParallelMoE
 from pdserve.ops.select import Backends
+
+if TYPE_CHECKING:
+    from pdserve.ops.mla_decode_triton import TritonMLAGraphSlot
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -66,7 +69,7 @@ def decode_graph_config(enabled: bool, model: DeepseekForCausalLM, max_num_seqs:
 @dataclass
 class _CapturedStep:
     graph: torch.cuda.CUDAGraph
-    attention: FlashInferMLAGraphSlot
+    attention: "FlashInferMLAGraphSlot | TritonMLAGraphSlot"
     logits: torch.Tensor  # [batch size, vocab] float32, rewritten by every replay
     replayed: torch.cuda.Event = field(default_factory=torch.cuda.Event)  # recorded after each replay
 
@@ -114,10 +117,17 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture(self, size: int, max_pages_per_seq: int, pool) -> _CapturedStep:
         cfg = self.model.cfg
-        attention = FlashInferMLAGraphSlot(
-            self._workspace, size, size * max_pages_per_seq, self.page_size, cfg.num_attention_heads,
-            cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.softmax_scale, self.kv_cache.dtype,
-        )
+        from pdserve.ops import mla_decode_triton as split_kv  # triton: on CUDA hosts only
+
+        if size <= split_kv.MAX_BATCH:  # small batches: the kernels the eager steps of their size run
+            attention = split_kv.TritonMLAGraphSlot(size, size * max_pages_per_seq, self.page_size,
+                                                    cfg.num_attention_heads, cfg.kv_lora_rank, cfg.softmax_scale,
+                                                    self.kv_cache.device)
+        else:
+            attention = FlashInferMLAGraphSlot(
+                self._workspace, size, size * max_pages_per_seq, self.page_size, cfg.num_attention_heads,
+                cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.softmax_scale, self.kv_cache.dtype,
+            )
         attention.plan([1] * size, [[self.scratch_page]] * size)  # all padding: a valid plan for warm-up and capture
         ids, positions, slots = self._inputs[:, :size]
         batch = AttentionBatch(query_lens=[1] * size, kv_lens=[1] * size, slot_mapping=slots, page_size=self.page_size,

@@ -7,13 +7,11 @@ prefill over a cached prefix are the same call: causal, with each query aligned 
 """
 
 import itertools
-from array import array
-from collections.abc import Iterable
 
 import torch
 
 from pdserve.cache.page_allocator import pages_for
-from pdserve.ops.attention import AttentionBatch, write_kv
+from pdserve.ops.attention import AttentionBatch, flat_page_ids, host_ints, write_kv
 
 PLAN_KEY = "flashinfer_mla"
 RAGGED_PLAN_KEY = "flashinfer_ragged"
@@ -37,7 +35,11 @@ class FlashInferMLA:
     def forward(self, q_latent, q_pe, latent, k_pe, kv_cache, batch: AttentionBatch, softmax_scale: float):
         if not batch.query_lens:  # an idle expert-parallel rank's empty step: nothing to plan or attend
             return torch.empty_like(q_latent)
+        from pdserve.ops import mla_decode_triton as split_kv  # triton: on CUDA hosts only, as this backend
+
         write_kv(kv_cache, latent, k_pe, batch.slot_mapping)
+        if split_kv.takes(batch):  # what the decode graphs of this size run: eager steps give their tokens
+            return split_kv.attend(q_latent, q_pe, kv_cache, batch, softmax_scale)
         if self._needs_plan(PLAN_KEY, batch):
             self._plan(q_latent, q_pe, kv_cache, batch, softmax_scale)
         return self.wrapper.run(query=(q_latent, q_pe), kv_cache=kv_cache)
@@ -66,11 +68,7 @@ class FlashInferMLA:
         from flashinfer.mla import MLAPlanMetadata
 
         pages_per_seq = [pages_for(n, batch.page_size) for n in batch.kv_lens]
-        max_pages = batch.page_table.shape[1]
-        # Flat page ids of every sequence, gathered on the device from host-known positions (no device->host sync).
-        flat_positions = (seq * max_pages + p for seq, n in enumerate(pages_per_seq) for p in range(n))
-        positions = _host_ints(flat_positions, "q", torch.int64).to(batch.page_table.device, non_blocking=True)
-        kv_indices = batch.page_table.reshape(-1)[positions].to(torch.int32)
+        kv_indices = flat_page_ids(batch, pages_per_seq)
         metadata = MLAPlanMetadata.csr(
             qo_indptr=_indptr(batch.query_lens),
             kv_indptr=_indptr(pages_per_seq),
@@ -95,12 +93,6 @@ class FlashInferMLA:
 
 def _indptr(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
-
-
-def _host_ints(values: Iterable[int], typecode: str, dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor over a packed array: for the tens of thousands of page ids of a large batch, several times
-    faster than torch.tensor(list), which inspects every element (~2 ms of a batch-256 x 4k decode step)."""
-    return torch.frombuffer(array(typecode, values), dtype=dtype)
 
 
 class FlashInferMLAGraphSlot:
@@ -152,7 +144,7 @@ class FlashInferMLAGraphSlot:
 
     @staticmethod
     def _flat_page_ids(page_ids: list[list[int]], pages_per_seq: list[int]) -> torch.Tensor:
-        return _host_ints(itertools.chain.from_iterable(p[:n] for p, n in zip(page_ids, pages_per_seq)), "i",
+        return host_ints(itertools.chain.from_iterable(p[:n] for p, n in zip(page_ids, pages_per_seq)), "i",
                           torch.int32)
 
     def forward(self, q_latent, q_pe, latent, k_pe, kv_cache, batch: AttentionBatch, softmax_scale: float):
