@@ -9,6 +9,7 @@ from typing import TypeVar
 
 import aiohttp
 import msgspec
+from yarl import URL
 
 from pdserve.wire.protocol import (
     AbortRequest,
@@ -32,12 +33,15 @@ POOL_KEEPALIVE_S = 30.0
 _JSON = {"content-type": "application/json"}
 # What a call fails with when the worker cannot be reached or answers badly (aiohttp's timeouts are TimeoutErrors).
 _TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError)
+_decode_event = msgspec.json.Decoder(TokenEvent).decode
 
 
 def worker_session(headers: dict[str, str] | None = None) -> aiohttp.ClientSession:
     """The pooled session for calls to workers; open it in the loop that uses it (aiohttp binds it there)."""
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=POOL_KEEPALIVE_S)
-    return aiohttp.ClientSession(connector=connector, headers=headers, auto_decompress=False)
+    # Workers set no cookies: a jar that keeps none spares filtering and storing them on every call.
+    return aiohttp.ClientSession(connector=connector, headers=headers, auto_decompress=False,
+                                 cookie_jar=aiohttp.DummyCookieJar())
 
 
 class LazyWorkerSession:
@@ -105,6 +109,7 @@ async def _read_to_end(reads: AsyncIterator[list[bytes]]) -> None:
 class WorkerClient:
     def __init__(self, url: str, http: aiohttp.ClientSession, request_timeout_s: float = 1.0) -> None:
         self.url = url.rstrip("/")
+        self._generate_url = URL(self.url + "/internal/v1/generate")  # parsed once, not on every request
         self._http = http
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
         self._timeout_s = request_timeout_s
@@ -173,17 +178,16 @@ class WorkerClient:
         # sock_read bounds each wait for the next bytes: the first token's, then every later one's.
         timeout = aiohttp.ClientTimeout(sock_connect=connect_s, sock_read=first_token_timeout_s)
         body = msgspec.json.encode(request)
-        decoder = msgspec.json.Decoder(TokenEvent)
         got_event = False
         try:
-            async with self._http.post(self.url + "/internal/v1/generate", data=body, timeout=timeout,
+            async with self._http.post(self._generate_url, data=body, timeout=timeout,
                                        headers=_JSON) as response:
                 if response.status != 200:
                     detail = (await response.read())[:500].decode(errors="replace")
                     raise WorkerUnavailable(f"{self.url} generate: HTTP {response.status}: {detail}", refused=True)
                 reads = _ndjson_reads(response)
                 async for lines in reads:
-                    batch = coalesce_events([decoder.decode(line) for line in lines])
+                    batch = coalesce_events([_decode_event(line) for line in lines])
                     got_event = True
                     finished = next((i for i, event in enumerate(batch) if event.finish_reason is not None), None)
                     if finished is not None:
