@@ -54,6 +54,19 @@ def test_flashinfer_decode_matches_torch_reference(page_size):
 
 
 @pytest.mark.gpu
+def test_a_decode_step_of_a_few_sequences_runs_the_split_kv_kernels_and_matches_torch_reference():
+    from pdserve.ops.attention_flashinfer import PLAN_KEY, FlashInferMLA
+    from pdserve.ops.mla_decode_triton import META_KEY
+
+    inputs, kv_cache, batch = make_step([1] * 3, [5, 4095, 64], 64, "cuda")
+    scale = (128 + ROPE) ** -0.5
+    ref = TorchAttention().forward(*inputs, kv_cache.clone(), batch, scale)
+    out = FlashInferMLA(torch.device("cuda")).forward(*inputs, kv_cache, batch, scale)
+    assert META_KEY in batch.plans and PLAN_KEY not in batch.plans
+    assert rel_err(out.float(), ref.float()) < 1e-2
+
+
+@pytest.mark.gpu
 def test_flashinfer_causal_prefill_over_cached_prefix_matches_torch_reference():
     out, ref = run_both(query_lens=[37, 128, 1, 300], cached_lens=[0, 64, 500, 17], page_size=64)
     assert not torch.isnan(out).any()
@@ -66,7 +79,7 @@ def test_flashinfer_plans_once_per_step_and_replans_for_a_new_step():
 
     backend = FlashInferMLA(torch.device("cuda"))
     scale = 0.1
-    inputs, kv_cache, batch = make_step([1, 1], [10, 20], 16, "cuda")
+    inputs, kv_cache, batch = make_step([2, 1], [10, 20], 16, "cuda")  # (a decode-only step of 1-4 is split-KV's)
     first = backend.forward(*inputs, kv_cache, batch, scale)
     token = batch.plans[PLAN_KEY]
     again = backend.forward(*inputs, kv_cache, batch, scale)  # a second "layer": same plan
