@@ -34,7 +34,7 @@ def mla_call(backend: str, q_latent, q_pe, kv_cache, page_ids: list[list[int]], 
     if backend.startswith("triton"):  # "triton:N": N chunks a sequence instead of the slot's
         from pdserve.ops.mla_decode_triton import TritonMLAGraphSlot, mla_decode
 
-        slot = TritonMLAGraphSlot(batch, sum(map(len, page_ids)), PAGE, HEADS, CKV, SCALE, device)
+        slot = TritonMLAGraphSlot(batch, sum(map(len, page_ids)), PAGE, HEADS, CKV, device)
         slot.plan([context] * batch, page_ids)
         part_out, part_lse = slot.partials
         if ":" in backend:

@@ -121,8 +121,7 @@ class DecodeGraphs:
 
         if size <= split_kv.MAX_BATCH:  # small batches: the kernels the eager steps of their size run
             attention = split_kv.TritonMLAGraphSlot(size, size * max_pages_per_seq, self.page_size,
-                                                    cfg.num_attention_heads, cfg.kv_lora_rank, cfg.softmax_scale,
-                                                    self.kv_cache.device)
+                                                    cfg.num_attention_heads, cfg.kv_lora_rank, self.kv_cache.device)
         else:
             attention = FlashInferMLAGraphSlot(
                 self._workspace, size, size * max_pages_per_seq, self.page_size, cfg.num_attention_heads,

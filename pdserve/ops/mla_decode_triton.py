@@ -151,8 +151,8 @@ class TritonMLAGraphSlot:
     captured kernels read, `forward()` is what the graph captures."""
 
     def __init__(self, batch_size: int, max_kv_pages: int, page_size: int, num_heads: int, head_dim_ckv: int,
-                 softmax_scale: float, device: torch.device):
-        self.batch_size, self.page_size, self.softmax_scale = batch_size, page_size, softmax_scale
+                 device: torch.device):
+        self.page_size = page_size
         self.meta = torch.zeros(2 * batch_size + max_kv_pages, dtype=torch.int32, device=device)
         self.partials = partials(batch_size, num_heads, head_dim_ckv, device)
 
