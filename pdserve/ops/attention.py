@@ -9,6 +9,7 @@ The cache holds latents only. Attention runs in one of two forms, chosen by the 
   About 3x fewer attention FLOPs; worth it when the new tokens outnumber what expanding the keys costs (prefill).
 """
 
+import itertools
 from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -83,6 +84,11 @@ def host_ints(values: Iterable[int], typecode: str, dtype: torch.dtype) -> torch
     """A CPU tensor over a packed array: for the tens of thousands of page ids of a large batch, several times
     faster than torch.tensor(list), which inspects every element (~2 ms of a batch-256 x 4k decode step)."""
     return torch.frombuffer(array(typecode, values), dtype=dtype)
+
+
+def host_page_ids(page_ids: list[list[int]], pages_per_seq: list[int]) -> torch.Tensor:
+    """Each sequence's first pages_per_seq page ids one after another, int32 on the host."""
+    return host_ints(itertools.chain.from_iterable(p[:n] for p, n in zip(page_ids, pages_per_seq)), "i", torch.int32)
 
 
 def flat_page_ids(batch: AttentionBatch, pages_per_seq: list[int]) -> torch.Tensor:

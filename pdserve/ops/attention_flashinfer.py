@@ -11,7 +11,7 @@ import itertools
 import torch
 
 from pdserve.cache.page_allocator import pages_for
-from pdserve.ops.attention import AttentionBatch, flat_page_ids, host_ints, write_kv
+from pdserve.ops.attention import AttentionBatch, flat_page_ids, host_page_ids, write_kv
 
 PLAN_KEY = "flashinfer_mla"
 RAGGED_PLAN_KEY = "flashinfer_ragged"
@@ -131,7 +131,7 @@ class FlashInferMLAGraphSlot:
         metadata = MLAPlanMetadata.csr(
             qo_indptr=self._qo_indptr,
             kv_indptr=_indptr(pages_per_seq),
-            kv_indices=self._flat_page_ids(page_ids, pages_per_seq).to(self.wrapper.device, non_blocking=True),
+            kv_indices=host_page_ids(page_ids, pages_per_seq).to(self.wrapper.device, non_blocking=True),
             kv_len_arr=torch.tensor(kv_lens, dtype=torch.int32),
         )
         self.wrapper.plan(metadata=metadata, **self._plan_args)
@@ -139,13 +139,8 @@ class FlashInferMLAGraphSlot:
     def copy_page_ids(self, kv_lens: list[int], page_ids: list[list[int]]) -> None:
         """New page ids for the lengths the wrapper is planned for: the plan splits work by length only, and the
         kernels read the page ids from this buffer."""
-        flat = self._flat_page_ids(page_ids, [pages_for(n, self.page_size) for n in kv_lens])
+        flat = host_page_ids(page_ids, [pages_for(n, self.page_size) for n in kv_lens])
         self._kv_indices[: flat.numel()].copy_(flat, non_blocking=True)
-
-    @staticmethod
-    def _flat_page_ids(page_ids: list[list[int]], pages_per_seq: list[int]) -> torch.Tensor:
-        return host_ints(itertools.chain.from_iterable(p[:n] for p, n in zip(page_ids, pages_per_seq)), "i",
-                          torch.int32)
 
     def forward(self, q_latent, q_pe, latent, k_pe, kv_cache, batch: AttentionBatch, softmax_scale: float):
         write_kv(kv_cache, latent, k_pe, batch.slot_mapping)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from pdserve.cache.page_allocator import pages_for
-from pdserve.ops.attention import AttentionBatch, flat_page_ids, write_kv
+from pdserve.ops.attention import AttentionBatch, flat_page_ids, host_page_ids, write_kv
 
 BLOCK_N = 64  # keys per tile: one page of the default page size
 # Chunks per sequence, whatever the batch: a sequence's result must not depend on its batch's size, so the eager steps
@@ -129,8 +129,8 @@ def meta_header(kv_lens: list[int], page_size: int) -> list[int]:
 
 def decode_meta(kv_lens: list[int], page_ids: list[list[int]], page_size: int) -> torch.Tensor:
     """The kernels' int32 metadata on the host: meta_header(), then each sequence's pages one after another."""
-    flat = itertools.chain.from_iterable(ids[: pages_for(n, page_size)] for ids, n in zip(page_ids, kv_lens))
-    return torch.tensor([*meta_header(kv_lens, page_size), *flat], dtype=torch.int32)
+    header = torch.tensor(meta_header(kv_lens, page_size), dtype=torch.int32)
+    return torch.cat((header, host_page_ids(page_ids, [pages_for(n, page_size) for n in kv_lens])))
 
 
 def attend(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, batch: AttentionBatch,
