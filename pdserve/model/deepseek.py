@@ -168,6 +168,21 @@ class DenseMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+FUSED_ROUTING_MAX_TOKENS = 16  # at 64 tokens the two paths take the same time; the sort's does not grow as fast
+
+
+def ranked_top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The ids torch.topk(scores, k) picks along the last dimension (largest first, a tie to the lower id), from each
+    entry's rank: how many entries rank above it. Comparisons and sums only, so a compiled region fuses it with the
+    softmax before it; [rows, n] costs rows x n x n comparisons, which is why only a few rows take it."""
+    n = scores.shape[-1]
+    ids = torch.arange(n, device=scores.device)
+    mine, other = scores.unsqueeze(-1), scores.unsqueeze(-2)
+    rank = ((other > mine) | ((other == mine) & (ids < ids.unsqueeze(-1)))).sum(-1)  # [rows, n]
+    at_place = rank.unsqueeze(-2) == torch.arange(k, device=scores.device).unsqueeze(-1)  # [rows, k, n]
+    return torch.where(at_place, ids, 0).sum(-1)
+
+
 class TopkRouter(nn.Module):
     """Chooses each token's experts: V2 softmax (greedy or group-limited), V3 sigmoid with bias-corrected groups."""
 
@@ -180,7 +195,12 @@ class TopkRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        logits = F.linear(x.to(torch.float32), self.weight.to(torch.float32))
+        x, weight = x.to(torch.float32), self.weight.to(torch.float32)  # see upcast_router_weights()
+        # A few tokens' routing, compiled, as reductions inductor fuses: the GEMV as a product and a sum, the top-k by
+        # counting ranks, instead of cuBLAS's two-kernel GEMV and a sort kernel (6 against 13 us a layer at batch 1 on
+        # an H100, benchmarks/gpu_routing.py). Eagerly it would materialise [tokens, experts, hidden].
+        few = torch.compiler.is_compiling() and x.shape[0] <= FUSED_ROUTING_MAX_TOKENS
+        logits = (x.unsqueeze(1) * weight).sum(-1) if few else F.linear(x, weight)
         if cfg.scoring_func == "softmax":
             scores = logits.softmax(dim=-1)
             choice_scores = scores
@@ -192,7 +212,10 @@ class TopkRouter(nn.Module):
             biased = scores + self.e_score_correction_bias
             group_scores = biased.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group).topk(2, dim=-1)[0].sum(-1)
             choice_scores = biased.masked_fill(~self._group_mask(group_scores), float("-inf"))
-        topk_ids = torch.topk(choice_scores, k=cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
+        if few:
+            topk_ids = ranked_top_k(choice_scores, cfg.num_experts_per_tok)
+        else:
+            topk_ids = torch.topk(choice_scores, k=cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
         topk_weights = scores.gather(1, topk_ids)
         if cfg.norm_topk_prob:
             topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -301,7 +324,8 @@ def mlp_output(layer: DecoderLayer, x, h, routed: torch.Tensor | None):
 class LayerRegions:
     """How a decoder layer runs its tensor work between the backends' kernels: eagerly, op by op, or each region
     compiled by inductor into a few fused kernels (norms, RoPE, residuals, routing softmax and top-k around the
-    GEMMs). One compiled region serves every layer and every batch size: the layer's weights are its inputs."""
+    GEMMs). One compiled region serves every layer and every batch size (a graph for each kind of layer and attention
+    form, and for a few tokens, whose routing takes another path): the layer's weights are its inputs."""
 
     attention_inputs: Callable
     attention_output: Callable
@@ -340,6 +364,13 @@ class DeepseekForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (MLAttention, DenseMLP)):
                 module.fuse_projections()
+
+    def upcast_router_weights(self) -> None:
+        """Once the weights are in: the routers' weights in float32, the precision routing runs in, so that no step
+        converts them again (a kernel a layer). Their values do not change."""
+        for module in self.modules():
+            if isinstance(module, TopkRouter):
+                module.weight = nn.Parameter(module.weight.to(torch.float32), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, batch: AttentionBatch,
                 backends: Backends | None = None, regions: LayerRegions | None = None):

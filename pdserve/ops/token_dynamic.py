@@ -6,6 +6,9 @@ import torch
 from torch import nn
 
 
+RECOMPILE_LIMIT = 32
+
+
 def compile_token_dynamic(fn: Callable, backend: str | Callable = "inductor") -> Callable:
     """`fn` compiled whole (no graph breaks), called with dimension 0 of every tensor argument marked dynamic, and
     only that one, so one graph serves every batch size (1 aside) while the other dimensions stay constants the
@@ -13,6 +16,9 @@ def compile_token_dynamic(fn: Callable, backend: str | Callable = "inductor") ->
     equal on the first call would be assumed equal ever after.) Parameters passed in are weights: never marked.
     `backend`: torch.compile's; inductor generates fused kernels (tests trace with others, which is fast)."""
     options = {"compile_threads": 1} if backend == "inductor" else None  # no worker pool: see pdserve.ops.moe_grouped
+    # A layer region keeps a graph per layer kind (dense, MoE), attention form and token-count class (1, a few for
+    # the fused routing, many): more than dynamo's default limit of 8 for one function.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     compiled = torch.compile(fn, backend=backend, fullgraph=True, options=options)
 
     def call(*args):
