@@ -3,8 +3,7 @@ few-token path (GEMV and top-k as fused reductions) against the sort path (cuBLA
 gate weight in float32 (as loaded) and in bf16 (converted each call, as before). Each call is timed as replays of a
 CUDA graph holding 50 calls, so the figure includes the gaps between its kernels, as in the decode graphs.
 
-    python3 benchmarks/gpu_routing.py                        # DeepSeek-V2-Lite's router, tokens 1-64
-    python3 benchmarks/gpu_routing.py --config pdserve/model/configs/deepseek-v3.json
+    python3 benchmarks/gpu_routing.py          # DeepSeek-V2-Lite's router, tokens 1-64 (--config: another model's)
 """
 
 import argparse
@@ -47,8 +46,7 @@ def compiled_router(router: TopkRouter, few_max_tokens: int):
     """The router compiled as a layer region is, with the few-token path up to `few_max_tokens` (0: never)."""
     deepseek.FUSED_ROUTING_MAX_TOKENS = few_max_tokens  # read while tracing, so each compile keeps its own
     torch._dynamo.reset()
-    compiled = compile_token_dynamic(router)
-    return compiled
+    return compile_token_dynamic(router)
 
 
 def main() -> None:
