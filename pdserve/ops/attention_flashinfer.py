@@ -37,9 +37,9 @@ class FlashInferMLA:
             return torch.empty_like(q_latent)
         from pdserve.ops import mla_decode_triton as split_kv  # triton: on CUDA hosts only, as this backend
 
-        write_kv(kv_cache, latent, k_pe, batch.slot_mapping)
         if split_kv.takes(batch):  # what the decode graphs of this size run: eager steps give their tokens
-            return split_kv.attend(q_latent, q_pe, kv_cache, batch, softmax_scale)
+            return split_kv.attend(q_latent, q_pe, latent, k_pe, kv_cache, batch, softmax_scale)
+        write_kv(kv_cache, latent, k_pe, batch.slot_mapping)
         if self._needs_plan(PLAN_KEY, batch):
             self._plan(q_latent, q_pe, kv_cache, batch, softmax_scale)
         return self.wrapper.run(query=(q_latent, q_pe), kv_cache=kv_cache)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from pdserve.cache.page_allocator import pages_for
-from pdserve.ops.attention import AttentionBatch, flat_page_ids, host_page_ids, write_kv
+from pdserve.ops.attention import AttentionBatch, flat_page_ids, host_page_ids
 
 BLOCK_N = 64  # keys per tile: one page of the default page size
 # Chunks per sequence, whatever the batch: a sequence's result must not depend on its batch's size, so the eager steps
@@ -31,8 +31,9 @@ MERGE_VALUES = 4096  # partial values one merge program holds: 32 a thread of it
 @triton.jit
 def _split_kernel(q_ptr, q_pe_ptr, kv_ptr, meta_ptr, part_out_ptr, part_lse_ptr, num_seqs,
                   q_stride_t, q_stride_h, q_pe_stride_t, q_pe_stride_h, kv_row_stride, scale_log2,
+                  new_latent_ptr, new_pe_ptr, new_slot_ptr, new_latent_stride, new_pe_stride,
                   HEADS: tl.constexpr, BLOCK_H: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr,
-                  PAGE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+                  PAGE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_NEW: tl.constexpr):
     seq = tl.program_id(0)
     split = tl.program_id(1)
     # meta: [kv_lens (num_seqs), first page index of each sequence (num_seqs), flat page ids]
@@ -49,6 +50,17 @@ def _split_kernel(q_ptr, q_pe_ptr, kv_ptr, meta_ptr, part_out_ptr, part_lse_ptr,
     q = tl.load(q_ptr + seq * q_stride_t + h[:, None] * q_stride_h + r[None, :], mask=h_ok[:, None], other=0.0)
     q_pe = tl.load(q_pe_ptr + seq * q_pe_stride_t + h[:, None] * q_pe_stride_h + e[None, :], mask=h_ok[:, None],
                    other=0.0)
+    if WRITE_NEW:
+        # The step's new key (each sequence's last): the program whose chunk holds it writes it to the cache, and its
+        # threads wait at a barrier (which makes the write visible to them) before any of them reads it back.
+        last = kv_len - 1
+        if (start <= last) & (last < end):
+            slot = tl.load(new_slot_ptr + seq).to(tl.int64) * kv_row_stride
+            new_latent = tl.load(new_latent_ptr + seq * new_latent_stride + r)
+            tl.store(kv_ptr + slot + r, new_latent.to(kv_ptr.dtype.element_ty))
+            new_pe = tl.load(new_pe_ptr + seq * new_pe_stride + e)
+            tl.store(kv_ptr + slot + RANK + e, new_pe.to(kv_ptr.dtype.element_ty))
+        tl.debug_barrier()
     m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     denom = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, RANK], dtype=tl.float32)
@@ -102,19 +114,23 @@ def partials(batch_size: int, num_heads: int, rank: int, device: torch.device) -
 
 
 def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: torch.Tensor,
-               part_out: torch.Tensor, part_lse: torch.Tensor, page_size: int, softmax_scale: float) -> torch.Tensor:
+               part_out: torch.Tensor, part_lse: torch.Tensor, page_size: int, softmax_scale: float,
+               new_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One query per sequence: q_latent [B, H, rank], q_pe [B, H, rope], kv_cache [pages, page_size, rank + rope];
     meta int32 as decode_meta() lays it out; part_out and part_lse from partials() (or any chunk count, a power of
-    two). Returns [B, H, rank] in q_latent's dtype."""
+    two). `new_rows`: (latent [B, rank], k_pe [B, rope], slots [B]): each sequence's last key, written to the cache
+    here (write_kv's work, without its two kernels) instead of before. Returns [B, H, rank] in q_latent's dtype."""
     num_seqs, heads, rank = q_latent.shape
     rope = q_pe.shape[-1]
     splits = part_lse.shape[1]
     out = torch.empty_like(q_latent)
+    new_latent, new_pe, new_slots = new_rows if new_rows is not None else (q_latent, q_pe, meta)
     _split_kernel[(num_seqs, splits)](
         q_latent, q_pe, kv_cache, meta, part_out, part_lse, num_seqs,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(1),
-        softmax_scale * LOG2_E, HEADS=heads, BLOCK_H=max(16, triton.next_power_of_2(heads)), RANK=rank, ROPE=rope,
-        PAGE=page_size, SPLITS=splits, BLOCK_N=BLOCK_N, num_warps=4, num_stages=2)
+        softmax_scale * LOG2_E, new_latent, new_pe, new_slots, new_latent.stride(0), new_pe.stride(0),
+        HEADS=heads, BLOCK_H=max(16, triton.next_power_of_2(heads)), RANK=rank, ROPE=rope,
+        PAGE=page_size, SPLITS=splits, BLOCK_N=BLOCK_N, WRITE_NEW=new_rows is not None, num_warps=4, num_stages=2)
     block_r = min(rank, MERGE_VALUES // splits)  # a [splits, block_r] float32 tile in registers
     _merge_kernel[(num_seqs, heads, rank // block_r)](part_out, part_lse, out, out.stride(0), out.stride(1),
                                                       HEADS=heads, RANK=rank, SPLITS=splits, BLOCK_R=block_r,
@@ -133,16 +149,17 @@ def decode_meta(kv_lens: list[int], page_ids: list[list[int]], page_size: int) -
     return torch.cat((header, host_page_ids(page_ids, [pages_for(n, page_size) for n in kv_lens])))
 
 
-def attend(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, batch: AttentionBatch,
-           softmax_scale: float) -> torch.Tensor:
-    """An eager decode step's attention (takes() holds): the metadata made on the first layer, without a sync."""
+def attend(q_latent: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
+           kv_cache: torch.Tensor, batch: AttentionBatch, softmax_scale: float) -> torch.Tensor:
+    """An eager decode step's attention (takes() holds), its new keys written to the cache by the kernel: the
+    metadata made on the first layer, without a sync."""
     meta = batch.plans.get(META_KEY)
     if meta is None:
         header = torch.tensor(meta_header(batch.kv_lens, batch.page_size), dtype=torch.int32)
         page_ids = flat_page_ids(batch, [pages_for(n, batch.page_size) for n in batch.kv_lens])
         meta = batch.plans[META_KEY] = torch.cat((header.to(q_latent.device, non_blocking=True), page_ids))
     return mla_decode(q_latent, q_pe, kv_cache, meta, *partials(*q_latent.shape, q_latent.device), batch.page_size,
-                      softmax_scale)
+                      softmax_scale, (latent, k_pe, batch.slot_mapping))
 
 
 class TritonMLAGraphSlot:
@@ -164,5 +181,5 @@ class TritonMLAGraphSlot:
     copy_page_ids = plan  # the kernels split work by the lengths they read, so new ids are a new plan
 
     def forward(self, q_latent, q_pe, latent, k_pe, kv_cache, batch: AttentionBatch, softmax_scale: float):
-        write_kv(kv_cache, latent, k_pe, batch.slot_mapping)
-        return mla_decode(q_latent, q_pe, kv_cache, self.meta, *self.partials, self.page_size, softmax_scale)
+        return mla_decode(q_latent, q_pe, kv_cache, self.meta, *self.partials, self.page_size, softmax_scale,
+                          (latent, k_pe, batch.slot_mapping))

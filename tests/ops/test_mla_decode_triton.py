@@ -1,5 +1,6 @@
 """The split-KV Triton MLA decode kernels against the float32 torch reference (pdserve.ops.attention.TorchAttention):
-sequences of different lengths (chunks left empty, a partial last tile, one key), page sizes below and at a tile.
+sequences of different lengths (chunks left empty, a partial last tile, one key), page sizes below and at a tile;
+and the split kernel's own write of each sequence's newest key.
 On CUDA; the kernels' logic was also checked on the CPU in Triton's interpreter, in float32 (its bf16 tl.dot is
 wrong): `TRITON_INTERPRET=1` with check_matches_reference("cpu", ..., dtype=torch.float32)."""
 
@@ -45,11 +46,16 @@ def check_matches_reference(device: str, kv_lens: list[int], page_size: int, spl
     assert out.shape == ref.shape and out.dtype == dtype
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     assert err < 1e-2, err
-    # An eager step's call, its metadata gathered from the page table on the device: the result of the kernels with
-    # the host's metadata, at the chunk count both use.
+    # An eager step's call, its metadata gathered from the page table on the device and each sequence's newest key
+    # written by the kernel into a cache whose row for it still holds NaN: the result of the kernels with the host's
+    # metadata on the written cache, at the chunk count both use, and the cache write_kv would have left.
     standard = mla_decode(q_latent, q_pe, kv_cache, meta, *partials(len(kv_lens), HEADS, RANK, device), page_size,
                           scale)
-    assert torch.equal(attend(q_latent, q_pe, kv_cache, batch, scale), standard)
+    unwritten = kv_cache.clone()
+    unwritten.view(-1, RANK + ROPE)[slots] = float("nan")
+    newest = newest.clone()
+    assert torch.equal(attend(q_latent, q_pe, newest[:, :RANK], newest[:, RANK:], unwritten, batch, scale), standard)
+    assert torch.equal(unwritten, kv_cache)
 
 
 @pytest.mark.gpu
