@@ -124,7 +124,9 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
     rope = q_pe.shape[-1]
     splits = part_lse.shape[1]
     out = torch.empty_like(q_latent)
-    new_latent, new_pe, new_slots = new_rows if new_rows is not None else (q_latent, q_pe, meta)
+    # The kernel reads a new row's values one after another: the last dimension must be contiguous.
+    rows = new_rows or (q_latent, q_pe, meta)
+    new_latent, new_pe, new_slots = (t if t.stride(-1) == 1 else t.contiguous() for t in rows)
     _split_kernel[(num_seqs, splits)](
         q_latent, q_pe, kv_cache, meta, part_out, part_lse, num_seqs,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(1),
