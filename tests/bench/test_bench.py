@@ -37,7 +37,10 @@ def test_bench_run_writes_result_json_with_every_request_timed(cluster, tmp_path
     assert status == 0
     assert summary["num_requests"] == summary["completed"] == 6 and summary["failed"] == 0
     for key in ("ttft_s", "itl_s", "e2e_s"):
-        assert set(summary[key]) == {"p50", "p90", "p99", "mean"} and summary[key]["p50"] > 0
+        assert set(summary[key]) == {"p50", "p90", "p99", "mean"}
+    # Tokens that reach the client in one chunk are 0 s apart, so on a loaded machine ITL's median can be 0.
+    assert summary["ttft_s"]["p50"] > 0 and summary["e2e_s"]["p50"] >= summary["ttft_s"]["p50"]
+    assert summary["itl_s"]["p50"] >= 0 and summary["itl_s"]["p99"] >= summary["itl_s"]["p50"]
     assert summary["requests_per_s"] > 0 and summary["output_tokens_per_s"] > 0
     assert 0 <= summary["goodput_requests_per_s"] <= summary["requests_per_s"]
     # Two groups of three requests over a 64-token system prompt: later requests must hit the prefill cache.
