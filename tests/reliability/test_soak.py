@@ -61,8 +61,8 @@ def soak(cluster, concurrency: int, duration_s: float, warmup_s: float) -> None:
         assert end_mib - warm.get(name, end_mib) < max(256.0, 0.5 * warm.get(name, end_mib)), name
 
 
-def test_soak_20s_16_streams_has_no_errors_no_hangs_and_no_page_leaks(pd_cluster):
-    soak(pd_cluster, concurrency=16, duration_s=20, warmup_s=10)
+def test_soak_10s_16_streams_has_no_errors_no_hangs_and_no_page_leaks(pd_cluster):
+    soak(pd_cluster, concurrency=16, duration_s=10, warmup_s=5)
 
 
 @pytest.mark.slow

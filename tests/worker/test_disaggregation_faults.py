@@ -88,6 +88,9 @@ def test_abort_mid_stream_ends_with_abort_and_frees_pages(cluster):
     assert eventually(lambda: pages_at_rest(decode.url))
 
 
+# slow: it starts a cluster of its own (~20 s alone, ~50 s in CI); the hand-off's timeout and late-write paths are
+# also tested in process (tests/disagg/). `pytest -m slow` runs it.
+@pytest.mark.slow
 def test_a_stalled_prefill_times_out_and_its_late_request_is_refused_by_the_decode_worker(tiny_v2, ray_address,
                                                                                           tmp_path):
     cfg = ClusterConfig(model=tiny_v2, port=0, num_prefill=1, num_decode=1, ray_address=ray_address,
