@@ -63,13 +63,14 @@ def matmul_flop_per_s(device: torch.device, dtype: torch.dtype, n: int) -> float
 
 
 class ExpertCounter:
-    """Wraps a MoE backend and records, per call (= per MoE layer), how many distinct local experts were chosen."""
+    """Wraps a MoE backend and records, per call (= per MoE layer), how many distinct routed experts were chosen (the
+    shared experts' stacked copies, in a few tokens' slots, read what the dense MLP's weights count for)."""
 
-    def __init__(self, inner):
-        self.inner, self.distinct = inner, []
+    def __init__(self, inner, routed_experts: int):
+        self.inner, self.routed, self.distinct = inner, routed_experts, []
 
     def forward(self, x, topk_ids, topk_weights, w13, w2, first_expert):
-        self.distinct.append(torch.unique(topk_ids).numel())
+        self.distinct.append(torch.unique(topk_ids[topk_ids < self.routed]).numel())
         return self.inner.forward(x, topk_ids, topk_weights, w13, w2, first_expert)
 
 
@@ -116,7 +117,7 @@ def decode_row(model, kv_cache, scratch_page, batch_size, context, page_size, by
     cfg, device = model.cfg, kv_cache.device
     query_lens, kv_lens = [1] * batch_size, [context] * batch_size
     ids, positions, last_rows = step_inputs(query_lens, kv_lens, cfg.vocab_size, device)
-    counter = ExpertCounter(model.backends.moe)
+    counter = ExpertCounter(model.backends.moe, cfg.n_routed_experts)
     counted = DeepseekForCausalLM.__new__(DeepseekForCausalLM)  # a view of the model with the counting backend
     counted.__dict__.update(model.__dict__)
     counted.backends = Backends(attention=model.backends.attention, moe=counter)

@@ -45,6 +45,8 @@ def load_into_transformers(hf_model, ours) -> None:
     hf_params = dict(hf_model.named_parameters())
     copied = set()
     for name, param in ours.named_parameters():
+        if name.endswith(("experts.w13", "experts.w2")):  # without the shared experts' stacked copies
+            param = param[:ours.cfg.n_routed_experts]
         target = hf_params[transformers_name(name)]
         assert target.shape == param.shape, f"{name}: {tuple(param.shape)} vs {tuple(target.shape)}"
         target.data.copy_(param.data)

@@ -1,7 +1,8 @@
 """The decoder layers' own tensor work compiled by inductor (torch.compile): the regions between the attention and
 expert kernels, and the grouped routed experts' glue. Captured inside the decode CUDA graphs, and run by the steps
 outside them (prefill chunks, mixed steps) unless the engine is told otherwise; compiled on first use, once for every
-layer and token count (1 aside; the experts once each side of their counting sort's limit, pdserve.ops.moe_grouped)."""
+layer and token count (1 aside; the MoE layers' regions once each side of pdserve.model.deepseek's few-token limits,
+the experts once each side of their counting sort's limit, pdserve.ops.moe_grouped)."""
 
 from collections.abc import Callable
 from dataclasses import dataclass

@@ -19,6 +19,7 @@ from pdserve.model.rope import RotaryEmbedding
 from pdserve.ops.attention import AttentionBackend, AttentionBatch, gather_kv, write_kv
 from pdserve.ops.expert_load import ExpertLoad
 from pdserve.ops.moe import ExpertRange, MoEBackend
+from pdserve.ops.moe_ep import ExpertParallelMoE
 from pdserve.ops.select import Backends
 
 
@@ -169,6 +170,10 @@ class DenseMLP(nn.Module):
 
 
 FUSED_ROUTING_MAX_TOKENS = 16  # at 64 tokens the two paths take the same time; the sort's does not grow as fast
+# Up to this many tokens the stacked shared experts run in the expert kernels' slots (MoE.stack_shared_experts): decode
+# steps of 1, 4, 8 and 16 sequences took 5.8, 1.1, 2.0 and 0.7% less time than with the dense MLP on an H100; with
+# slots at every size, batch 64, 256 and a 16k prefill measured 1-3% slower (docs/benchmarks.md).
+SHARED_SLOTS_MAX_TOKENS = FUSED_ROUTING_MAX_TOKENS
 
 
 def ranked_top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -195,7 +200,7 @@ class TopkRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        x, weight = x.to(torch.float32), self.weight.to(torch.float32)  # see upcast_router_weights()
+        x, weight = x.to(torch.float32), self.weight.to(torch.float32)  # see finish_weights()
         # A few tokens' routing, compiled, as reductions inductor fuses: the GEMV as a product and a sum, the top-k by
         # counting ranks, instead of cuBLAS's two-kernel GEMV and a sort kernel (6 against 13 us a layer at batch 1 on
         # an H100, benchmarks/gpu_routing.py). Eagerly it would materialise [tokens, experts, hidden].
@@ -235,6 +240,13 @@ class RoutedExperts(nn.Module):
         inter = cfg.moe_intermediate_size
         self.w13 = nn.Parameter(torch.empty(experts.count, 2 * inter, cfg.hidden_size))
         self.w2 = nn.Parameter(torch.empty(experts.count, cfg.hidden_size, inter))
+        self.stacked_shared = 0  # shared experts stacked after the routed ones (MoE.stack_shared_experts)
+
+    def stack(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Appends experts of the same shapes after this rank's own."""
+        self.w13 = nn.Parameter(torch.cat([self.w13.detach(), w13]), requires_grad=False)
+        self.w2 = nn.Parameter(torch.cat([self.w2.detach(), w2]), requires_grad=False)
+        self.stacked_shared += w13.shape[0]
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.w13, self.w2
@@ -258,16 +270,51 @@ class MoE(nn.Module):
             if cfg.n_shared_experts else None
         )
 
-    def routed(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, backend: MoEBackend,
-               load: ExpertLoad | None) -> torch.Tensor:
-        """The routed experts' weighted sum for each token, by the backend's kernels (the gate has chosen them)."""
+    def stack_shared_experts(self) -> None:
+        """A copy of the shared experts as experts of their own (n_shared_experts of moe_intermediate_size each, which
+        is what they are) stacked after the routed ones. Steps of a few tokens give every token their slots, and the
+        expert kernels compute them in the same launches, where the dense MLP took three more kernels and read its
+        weights at a lower fraction of the memory's bandwidth (batch-1 decode 3.74 -> 3.58 ms on an H100); larger
+        steps keep the dense MLP, faster there (docs/benchmarks.md). The copy costs V2-Lite 0.9 GB. For plain
+        weights (not FP8) of a rank that holds every routed expert, whose backend addresses them by id locally (an
+        expert-parallel exchange sends ids to their owners)."""
+        shared = self.shared_experts
+        if shared is None or not isinstance(self.experts, RoutedExperts) or type(shared.gate_proj) is not nn.Linear:
+            return
+        count = self.gate.cfg.n_shared_experts
+        inter, hidden = self.gate.cfg.moe_intermediate_size, self.gate.cfg.hidden_size
+        gate, up = (linear.weight.detach().view(count, inter, hidden) for linear in (shared.gate_proj, shared.up_proj))
+        self.experts.stack(torch.cat([gate, up], dim=1),
+                           shared.down_proj.weight.detach().view(hidden, count, inter).transpose(0, 1))
+
+    def in_slots(self, tokens: int) -> bool:
+        """Whether a step of this many tokens runs the shared experts in the expert kernels' slots."""
+        return getattr(self.experts, "stacked_shared", 0) > 0 and tokens <= SHARED_SLOTS_MAX_TOKENS
+
+    def choose(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The gate's choice for each token (routed expert ids, for the load counts) and the slots the expert
+        kernels compute (ids and weights): the routed experts, then, in_slots(), the stacked shared ones at weight 1."""
+        topk_ids, topk_weights = self.gate(h)
+        if not self.in_slots(h.shape[0]):
+            return topk_ids, topk_ids, topk_weights
+        stacked, first = self.experts.stacked_shared, self.experts.experts.first + self.experts.experts.count
+        shared_ids = torch.arange(first, first + stacked, device=h.device, dtype=topk_ids.dtype).expand(h.shape[0], -1)
+        return (topk_ids, torch.cat([topk_ids, shared_ids], dim=1),
+                torch.cat([topk_weights, topk_weights.new_ones(h.shape[0], stacked)], dim=1))
+
+    def routed(self, x: torch.Tensor, routed_ids: torch.Tensor, slot_ids: torch.Tensor, slot_weights: torch.Tensor,
+               backend: MoEBackend, load: ExpertLoad | None) -> torch.Tensor:
+        """Each token's experts' weighted sum, by the backend's kernels (choose() has picked the slots)."""
         if load is not None:
-            load.record(self.layer_idx, topk_ids)
+            load.record(self.layer_idx, routed_ids)
         w13, w2 = self.experts.weights()
-        return backend.forward(x, topk_ids, topk_weights, w13, w2, self.experts.experts.first)
+        return backend.forward(x, slot_ids, slot_weights, w13, w2, self.experts.experts.first)
 
     def combine(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
-        return routed + self.shared_experts(x) if self.shared_experts is not None else routed
+        """The routed sum plus the shared experts' output, where choose() left them out of the slots."""
+        if self.shared_experts is None or self.in_slots(x.shape[0]):
+            return routed
+        return routed + self.shared_experts(x)
 
 
 class DecoderLayer(nn.Module):
@@ -300,8 +347,9 @@ class DecoderLayer(nn.Module):
 
     def finish(self, x, heads_out, backends: Backends, expanded: bool, regions: "LayerRegions") -> torch.Tensor:
         """Everything after attention: o_proj and the residual, the MLP or the experts (routed by the backend)."""
-        x, h, topk_ids, topk_weights = regions.attention_output(self, x, heads_out, not expanded)
-        routed = self.mlp.routed(h, topk_ids, topk_weights, backends.moe, backends.expert_load) if self.is_moe else None
+        x, h, routed_ids, slot_ids, slot_weights = regions.attention_output(self, x, heads_out, not expanded)
+        routed = (self.mlp.routed(h, routed_ids, slot_ids, slot_weights, backends.moe, backends.expert_load)
+                  if self.is_moe else None)
         return regions.mlp_output(self, x, h, routed)
 
 
@@ -310,10 +358,10 @@ def attention_inputs(layer: DecoderLayer, x, rotations, rope: RotaryEmbedding, a
 
 
 def attention_output(layer: DecoderLayer, x, heads_out, latent_out: bool):
-    """Residual after attention, the MLP's normalised input, and (MoE layers) each token's experts and weights."""
+    """Residual after attention, the MLP's normalised input, and (MoE layers) MoE.choose()'s routed ids and slots."""
     x = x + layer.self_attn.output(heads_out, latent_out)
     h = layer.post_attention_layernorm(x)
-    return (x, h, *layer.mlp.gate(h)) if layer.is_moe else (x, h, None, None)
+    return (x, h, *layer.mlp.choose(h)) if layer.is_moe else (x, h, None, None, None)
 
 
 def mlp_output(layer: DecoderLayer, x, h, routed: torch.Tensor | None):
@@ -365,12 +413,17 @@ class DeepseekForCausalLM(nn.Module):
             if isinstance(module, (MLAttention, DenseMLP)):
                 module.fuse_projections()
 
-    def upcast_router_weights(self) -> None:
+    def finish_weights(self) -> None:
         """Once the weights are in: the routers' weights in float32, the precision routing runs in, so that no step
-        converts them again (a kernel a layer). Their values do not change."""
+        converts them again (a kernel a layer; their values do not change), and the shared experts stacked with the
+        routed ones where the rank holds them all (MoE.stack_shared_experts)."""
+        holds_all = (self.expert_range.count == self.cfg.n_routed_experts
+                     and not isinstance(self.backends.moe, ExpertParallelMoE))
         for module in self.modules():
             if isinstance(module, TopkRouter):
                 module.weight = nn.Parameter(module.weight.to(torch.float32), requires_grad=False)
+            elif isinstance(module, MoE) and holds_all:
+                module.stack_shared_experts()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, batch: AttentionBatch,
                 backends: Backends | None = None, regions: LayerRegions | None = None):
@@ -393,8 +446,15 @@ class DeepseekForCausalLM(nn.Module):
                                                                                        self.cfg.v_head_dim)
 
     def routed_expert_bytes(self) -> int:
-        """Memory held by this rank's routed expert weights, FP8 scales included (what expert parallelism divides)."""
-        return sum(p.numel() * p.element_size() for name, p in self.named_parameters() if ".experts.w" in name)
+        """Memory held by this rank's routed expert weights, FP8 scales included (what expert parallelism divides);
+        shared experts stacked with them not counted."""
+        total = 0
+        for module in self.modules():
+            if isinstance(module, (RoutedExperts, FP8RoutedExperts)):
+                routed = module.experts.count  # experts of one shape: the routed ones' share is exact
+                held = sum(p.numel() * p.element_size() for p in module.parameters())
+                total += held * routed // (routed + getattr(module, "stacked_shared", 0))
+        return total
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight

@@ -133,7 +133,7 @@ def load_model(
             filled.add(name)
     _check_complete(model, expected, filled)
     _log_fp8(model, fp8, dtype)
-    model.upcast_router_weights()
+    model.finish_weights()
     return model
 
 

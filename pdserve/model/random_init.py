@@ -28,7 +28,7 @@ def init_random_weights(model: DeepseekForCausalLM, seed: int, std: float | None
     for name, buffer in model.named_buffers():
         if name.endswith("e_score_correction_bias"):
             buffer.zero_()
-    model.upcast_router_weights()
+    model.finish_weights()
     return model
 
 

@@ -32,7 +32,7 @@ def rank_weight_bytes(cfg: ModelConfig, ranks: int, keep_fp8: bool, dtype: torch
     with torch.device("meta"):
         model = DeepseekForCausalLM(cfg, Backends(TorchAttention(), TorchMoE()),
                                     ExpertRange(0, cfg.n_routed_experts // ranks), fp8_block).to(dtype)
-        model.upcast_router_weights()  # as loading does
+        model.finish_weights()  # as loading does
     routed = model.routed_expert_bytes()
     every = sum(p.numel() * p.element_size() for p in model.parameters())
     return RankWeightBytes(replicated=every - routed, routed_experts=routed)

@@ -380,8 +380,10 @@ def test_overlapped_graph_decode_gives_the_synchronous_tokens(tiny_model_factory
     """Under CUDA graphs the carried input ids are copied into the graphs' static input buffer. Length ends keep
     both runs' batches identical; stop tokens add discarded rows, so batch sizes (and paddings) differ. Requests
     arriving mid-run join a step the overlapped host sees one step late, so the two runs' prefill and mixed steps
-    differ in shape: with those steps compiled (inductor's bf16 kernels) a row may round differently by step, and
-    tokens may then differ where the logits nearly tie, and only there."""
+    differ in shape, and a row may round differently by step: compiled steps run inductor's bf16 kernels, and the
+    shared experts run in the expert kernels' slots in steps of up to 16 tokens, as a dense MLP in larger ones
+    (pdserve.model.deepseek.SHARED_SLOTS_MAX_TOKENS). Tokens may then differ where the logits nearly tie, and only
+    there."""
     model = tiny_model_factory("v2", **FLASHINFER_SHAPE)
     prompts = prompts_of((3, 40, 77, 150, 201, 17))
     sampling = [replace(GREEDY, max_tokens=n, logprobs=True, top_logprobs=2) for n in (6, 9, 12, 15, 18, 21)]
@@ -398,10 +400,9 @@ def test_overlapped_graph_decode_gives_the_synchronous_tokens(tiny_model_factory
         assert engine.runner.decode_graphs is not None
         runs[overlap] = drive(engine, arrivals, abort_after={"r3": 5})
         assert_every_page_free(engine)
-    if compile_eager_steps:
-        print("divergences (request, position, margins):", assert_divergences_are_near_ties(runs[False], runs[True]))
-        return
-    assert dict(runs[True].tokens) == dict(runs[False].tokens)
-    assert runs[True].finish_reasons == runs[False].finish_reasons
+    divergences = assert_divergences_are_near_ties(runs[False], runs[True])
+    print("divergences (request, position, margins):", divergences)
+    if not divergences:
+        assert runs[True].finish_reasons == runs[False].finish_reasons
     if not with_stops:
         assert [len(runs[True].tokens[f"r{i}"]) for i in range(6)] == [6, 9, 12, 5, 18, 21]
