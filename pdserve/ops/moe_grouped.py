@@ -9,6 +9,7 @@ projection is linear, so this equals scaling its output), which leaves a plain s
 combine.
 """
 
+import functools
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,11 +39,14 @@ def weighted_silu_and_mul(gate_up: torch.Tensor, weights: torch.Tensor) -> torch
     return (F.silu(gate) * up * weights[:, None]).to(gate_up.dtype)
 
 
-# On CUDA the same function compiled into one kernel (a single pass over gate_up), where eager torch makes five
-# passes with float32 temporaries. Compiled lazily, on first use, once for all row counts, in this process: the
-# default pool of compile workers leaves a thread behind that slowed every later host step ~5x (a flashinfer plan
-# 1.6 -> 8 ms, measured on an H100 host).
-fused_weighted_silu_and_mul = torch.compile(weighted_silu_and_mul, dynamic=True, options={"compile_threads": 1})
+@functools.cache
+def fused_weighted_silu_and_mul() -> Callable:
+    """On CUDA weighted_silu_and_mul compiled into one kernel (a single pass over gate_up), where eager torch makes
+    five passes with float32 temporaries. Compiled on first use, once for all row counts, in this process: the
+    default pool of compile workers leaves a thread behind that slowed every later host step ~5x (a flashinfer plan
+    1.6 -> 8 ms, measured on an H100 host). Built on first call too: torch.compile imports dynamo and inductor, ~2 s
+    of every process start that imports the experts (each worker and rank), where the CPU never compiles."""
+    return torch.compile(weighted_silu_and_mul, dynamic=True, options={"compile_threads": 1})
 
 
 def sort_by_group(ids: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -94,7 +98,7 @@ class GroupedMoE:
         gate_up = grouped_linear(x, w13, group_ends, row_index=order // top_k)
         # Inside a compiled region the plain function fuses with its neighbours anyway.
         fused = x.is_cuda and not torch.compiler.is_compiling()
-        activation = fused_weighted_silu_and_mul if fused else weighted_silu_and_mul
+        activation = fused_weighted_silu_and_mul() if fused else weighted_silu_and_mul
         activations = activation(gate_up, topk_weights.reshape(-1)[order])
         down = grouped_linear(activations, w2, group_ends)
         # Unsort with a gather (the inverse permutation), unset rows read as zero (a select: they may hold NaN), then

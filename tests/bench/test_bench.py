@@ -5,13 +5,13 @@ import json
 import pytest
 
 from pdserve.cli.bench import add_bench_parser
-from pdserve.cli.generate import default_model_dir
 from pdserve.cluster.local import ClusterConfig, LocalCluster
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    cfg = ClusterConfig(str(default_model_dir()), port=0, num_prefill=1, num_decode=1, start_timeout_s=120.0)
+def cluster(tiny_v2, ray_address, tmp_path_factory):
+    cfg = ClusterConfig(tiny_v2, port=0, num_prefill=1, num_decode=1, start_timeout_s=120.0, ray_address=ray_address,
+                        log_dir=str(tmp_path_factory.mktemp("bench-cluster")))
     with LocalCluster(cfg) as running:
         yield running
 

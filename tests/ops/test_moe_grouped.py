@@ -121,7 +121,7 @@ def test_compiled_weighted_silu_and_mul_matches_eager():
     for rows in (1, 37, 4096):
         gate_up = (torch.randn(rows, 2 * 1408, generator=gen) * 3).to("cuda", torch.bfloat16)
         weights = torch.rand(rows, generator=gen).to("cuda")
-        fused = fused_weighted_silu_and_mul(gate_up, weights)
+        fused = fused_weighted_silu_and_mul()(gate_up, weights)
         eager = weighted_silu_and_mul(gate_up, weights)
         assert fused.dtype == torch.bfloat16 and fused.shape == (rows, 1408)
         assert rel_err(fused, eager) < 1e-3
