@@ -96,7 +96,9 @@ def build_router_app(config: RouterConfig, discovery: Discovery | None = None) -
         dispatcher = Dispatcher(pool, index, make_policy(config.routing, config.prefix_weight, config.load_weight),
                                 metrics, config.max_attempts, config.first_token_timeout_s, config.retry_after_s,
                                 tokenizer.detokenizer, config.max_migrations,
-                                LocalPrefillRule(config.local_prefill_max_tokens, config.local_prefill_min_queue))
+                                LocalPrefillRule(config.local_prefill_max_tokens, config.local_prefill_min_queue,
+                                                 config.local_prefill_min_wait_ms / 1e3,
+                                                 config.local_prefill_max_stall_ms / 1e3))
         parts.pool = pool
         parts.serving = Serving(
             tokenizer, dispatcher, metrics, config.model_name,

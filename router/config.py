@@ -38,6 +38,10 @@ class RouterConfig:
                                                "tokens on the decode worker when the prefill rank is busy (0: off)")
     local_prefill_min_queue: int = setting(1, "...busy meaning at least this many requests running or waiting on it "
                                               "(0: always)")
+    local_prefill_min_wait_ms: float = setting(0.0, "...and prompt tokens queued there for at least this long at its "
+                                                    "measured prefill speed (0: no test)")
+    local_prefill_max_stall_ms: float = setting(0.0, "...if the decode rank computes the prompt within this long, the "
+                                                     "stall its decodes take (0: no limit)")
     api_keys: frozenset[str] = field(default_factory=frozenset)  # empty: no authentication (--api-keys-file)
     # Limits: what a request may ask for before it is refused with a 4xx.
     max_body_bytes: int = setting(4 * 1024 * 1024, "larger request bodies get a 413")
@@ -75,8 +79,9 @@ class RouterConfig:
             (self.routing in ("prefix", "round_robin", "least_load"), f"routing must be prefix|round_robin|least_load, got {self.routing!r}"),
             (self.discovery in ("static", "file", "k8s"), f"discovery must be static|file|k8s, got {self.discovery!r}"),
             (self.prefix_weight >= 0 and self.load_weight >= 0, "prefix_weight and load_weight must be >= 0"),
-            (self.local_prefill_max_tokens >= 0 and self.local_prefill_min_queue >= 0,
-             "local_prefill_max_tokens and local_prefill_min_queue must be >= 0"),
+            (min(self.local_prefill_max_tokens, self.local_prefill_min_queue, self.local_prefill_min_wait_ms,
+                 self.local_prefill_max_stall_ms) >= 0,
+             "local_prefill_max_tokens, _min_queue, _min_wait_ms and _max_stall_ms must be >= 0"),
             (self.max_attempts >= 1, "max_attempts must be >= 1"),
             (self.max_migrations >= 0, "max_migrations must be >= 0"),
             (self.eject_after_failures >= 1, "eject_after_failures must be >= 1"),

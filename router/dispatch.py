@@ -82,7 +82,9 @@ class Dispatcher:
         if self._pool.role_of(prefill[0]) == "both":
             return Route(prefill, prefill, Plan(kind="both"), matches.get(prefill, 0))
         decode = decode_ranks.keys[choose_decode(self._pool.loads_of(decode_ranks), sequence_number)]
-        if self._local_prefill.prefill_on_decode(len(prompt_token_ids), int(loads.queue[chosen])):
+        if self._local_prefill.enabled and self._local_prefill.prefill_on_decode(
+                len(prompt_token_ids), int(loads.queue[chosen]), *self._pool.prefill_backlog(prefill),
+                self._pool.prefill_backlog(decode)[1]):
             self._metrics.count_local_prefill()
             return Route(decode, decode, Plan(kind="both"), 0)
         plan = Plan(kind="decode", prefill=PrefillSource(url=prefill[0], rank=prefill[1]))
@@ -167,10 +169,11 @@ class Dispatcher:
             self._metrics.observe_prefix_match_ratio(route.matched_tokens / max(1, len(continuation.prompt_token_ids)))
         elif not continuation.started:
             self._metrics.count_retry()
-        self._index.record_assignment(route.prefill, continuation.next_prompt())
-        self._pool.note_assignment(route.prefill)
+        prompt = continuation.next_prompt()
+        self._index.record_assignment(route.prefill, prompt)
+        self._pool.note_assignment(route.prefill, len(prompt) - route.matched_tokens)
         if route.target != route.prefill:
-            self._pool.note_assignment(route.target)
+            self._pool.note_assignment(route.target, 0)
 
     @staticmethod
     def _failed(request_id: str, message: str) -> TokenEvent:

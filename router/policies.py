@@ -77,15 +77,32 @@ def choose_decode(loads: CandidateLoads, sequence_number: int) -> int:
 @dataclass(frozen=True)
 class LocalPrefillRule:
     """Conditional disaggregation: a short prompt whose prefill rank is busy is prefilled on its decode rank (plan
-    `both`) instead of queueing behind long prefills and paying for a KV hand-off it barely needs."""
+    `both`) instead of queueing behind long prefills and paying for a KV hand-off it barely needs, as long as
+    computing it there stalls that rank's decodes briefly. Busy and brief are measured: the ranks report the prompt
+    tokens they have queued and the prefill speed of their recent steps (pdserve.worker.prefill_rate)."""
 
     # Prompts of at most this many tokens (all of them: the decode rank holds no prefix for them); 0: never.
     max_tokens: int = 0
-    min_prefill_queue: int = 1  # ...when the prefill rank has at least this many requests running or waiting
+    min_prefill_queue: int = 1  # ...when the prefill rank has at least this many requests running or waiting,
+    min_wait_s: float = 0.0  # ...its queued prompt tokens would take it at least this long (0: no test),
+    max_stall_s: float = 0.0  # ...and the decode rank computes the prompt within this long (0: no limit)
 
-    def prefill_on_decode(self, prompt_tokens: int, prefill_queue: int) -> bool:
-        """`prefill_queue`: requests running or waiting on the prefill rank chosen for the prompt."""
-        return prompt_tokens <= self.max_tokens and prefill_queue >= self.min_prefill_queue
+    @property
+    def enabled(self) -> bool:
+        return self.max_tokens > 0
+
+    def prefill_on_decode(self, prompt_tokens: int, prefill_queue: int, queued_prompt_tokens: int,
+                          prefill_rate: float, decode_rate: float) -> bool:
+        """`prefill_queue`, `queued_prompt_tokens`, `prefill_rate`: requests, prompt tokens still to compute and
+        measured prompt tokens per second of the prefill rank chosen for the prompt; `decode_rate`: the decode rank's
+        (0 where it has prefilled nothing yet: the prefill rank's stands in, the same model on the same kind of
+        GPU). A wait cannot be told without a rate, so a rank not yet measured is never busy by `min_wait_s`."""
+        if prompt_tokens > self.max_tokens or prefill_queue < self.min_prefill_queue:
+            return False
+        if self.min_wait_s and (not prefill_rate or queued_prompt_tokens / prefill_rate < self.min_wait_s):
+            return False
+        rate = decode_rate or prefill_rate
+        return not (self.max_stall_s and rate and prompt_tokens / rate > self.max_stall_s)
 
 
 def make_policy(name: str, prefix_weight: float, load_weight: float) -> Policy:

@@ -36,6 +36,8 @@ class RankTable:
         self._slot_of: dict[RankKey, int] = {}
         self._queue = np.zeros(0, dtype=np.int64)
         self._page_use = np.zeros(0)
+        self._queued_prompt_tokens = np.zeros(0, dtype=np.int64)
+        self._prefill_rate = np.zeros(0)  # prompt tokens per second; 0: not measured yet
 
     def rebuild(self, ranks: Iterable[tuple[RankKey, RankLoad | None]]) -> None:
         """A row per rank (the ranks known now, with their last polled load; None: not polled yet, idle). The
@@ -44,6 +46,10 @@ class RankTable:
         self._slot_of = {key: slot for slot, (key, _) in enumerate(ranks)}
         self._queue = np.array([load.running + load.waiting if load else 0 for _, load in ranks], dtype=np.int64)
         self._page_use = np.array([page_use(load) if load else 0.0 for _, load in ranks], dtype=np.float64)
+        self._queued_prompt_tokens = np.array([load.queued_prompt_tokens if load else 0 for _, load in ranks],
+                                              dtype=np.int64)
+        self._prefill_rate = np.array([load.prefill_tokens_per_s if load else 0.0 for _, load in ranks],
+                                      dtype=np.float64)
 
     def candidates(self, keys: list[RankKey]) -> Candidates:
         """`keys` must all have rows (be known at the last rebuild)."""
@@ -58,9 +64,20 @@ class RankTable:
         if slot is not None:
             self._queue[slot] = load.running + load.waiting
             self._page_use[slot] = page_use(load)
+            self._queued_prompt_tokens[slot] = load.queued_prompt_tokens
+            self._prefill_rate[slot] = load.prefill_tokens_per_s
 
-    def add_waiting(self, key: RankKey) -> None:
-        """The router just sent the rank a request: counted as queued until its next poll replaces the load."""
+    def add_waiting(self, key: RankKey, prompt_tokens: int) -> None:
+        """The router just sent the rank a request: counted as queued (and its prompt as prompt tokens to compute)
+        until its next poll replaces the load."""
         slot = self._slot_of.get(key)
         if slot is not None:
             self._queue[slot] += 1
+            self._queued_prompt_tokens[slot] += prompt_tokens
+
+    def prefill_backlog(self, key: RankKey) -> tuple[int, float]:
+        """(prompt tokens queued on the rank, its measured prefill tokens per second, 0 if not yet measured)."""
+        slot = self._slot_of.get(key)
+        if slot is None:
+            return 0, 0.0
+        return int(self._queued_prompt_tokens[slot]), float(self._prefill_rate[slot])

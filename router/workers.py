@@ -110,8 +110,12 @@ class WorkerPool:
     def client(self, url: str) -> WorkerClient:
         return self.workers[url].client
 
-    def note_assignment(self, key: RankKey) -> None:
-        self._table.add_waiting(key)
+    def note_assignment(self, key: RankKey, prompt_tokens: int) -> None:
+        """`prompt_tokens`: what the rank will prefill of it (0 for the decode rank of a P/D pair)."""
+        self._table.add_waiting(key, prompt_tokens)
+
+    def prefill_backlog(self, key: RankKey) -> tuple[int, float]:
+        return self._table.prefill_backlog(key)
 
     def report_failure(self, url: str) -> None:
         """A request could not reach the worker: route around it until its next health check decides. Only health

@@ -93,6 +93,8 @@ class EngineStats:
     prefix_hits_tokens: int
     prompt_tokens: int
     generation_tokens: int
+    # Prompt tokens still to compute: waiting requests' (before any prefix-cache match) and running prefills' rest.
+    queued_prompt_tokens: int = 0
     expert_weight_bytes: int = 0
     expert_exchange_overflows: int = 0  # fixed-capacity decode steps run again with split sizes
     # (token, expert) pairs this rank's tokens sent to each routed expert (global ids), summed over layers
@@ -318,6 +320,8 @@ class Engine:
             prefix_hits_tokens=self._prefix_hits_tokens,
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
+            queued_prompt_tokens=(sum(r.num_pending_tokens for r in self.scheduler.waiting)
+                                  + sum(r.num_pending_tokens for r in self.scheduler.running if r.is_prefilling)),
             expert_weight_bytes=self.expert_weight_bytes,
             expert_exchange_overflows=self.fixed_exchange.exchange.overflow_steps if self.fixed_exchange else 0,
             expert_tokens=self._expert_counts.per_expert() if self._expert_counts is not None else [],

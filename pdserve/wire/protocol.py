@@ -158,6 +158,8 @@ class RankLoad:
     steps_completed: int = 0  # engine steps this rank has run since it started
     loop_stalled_s: float = 0.0  # how long the rank's step loop has been in one step or command (0 while it turns)
     warming_up: bool = False  # running its warm-up (a restarted rank): not ready for traffic yet
+    queued_prompt_tokens: int = 0  # prompt tokens waiting or in prefill, still to compute
+    prefill_tokens_per_s: float = 0.0  # prompt tokens the rank computed per second of its recent steps (0: none yet)
 
 
 @dataclass

@@ -269,7 +269,8 @@ class RankRuntime:
         stats = snapshot.engine
         return RankLoad(self.cfg.rank, stats.running, stats.waiting + self._port.waiting_for_room, stats.free_pages,
                         stats.total_pages, stats.prefix_cache_pages, snapshot.steps_completed,
-                        time.monotonic() - snapshot.turned_s, not self.warmed_up)
+                        time.monotonic() - snapshot.turned_s, not self.warmed_up, stats.queued_prompt_tokens,
+                        snapshot.prefill_tokens_per_s)
 
     def stats(self) -> "RankStats":
         return RankStats(self.steps.snapshot.engine, self.counters.drain())

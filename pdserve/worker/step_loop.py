@@ -10,7 +10,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from pdserve.engine.engine import Engine, EngineStats, RequestOutput
@@ -18,6 +18,7 @@ from pdserve.engine.lockstep import Lockstep
 from pdserve.engine.step_shape import StepShape
 from pdserve.engine.step_trace import StepTrace
 from pdserve.worker.gc_pauses import GcClock
+from pdserve.worker.prefill_rate import PrefillRate
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -40,6 +41,7 @@ class RankSnapshot:
     engine: EngineStats  # refreshed at most every SNAPSHOT_INTERVAL_S
     steps_completed: int
     turned_s: float  # monotonic time the loop last came around
+    prefill_tokens_per_s: float = 0.0  # PrefillRate's
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ class StepLoop:
         self._thread: threading.Thread | None = None
         self._broken: str | None = None
         self._steps_completed = 0
+        self._prefill_rate = PrefillRate()
         self._stats_published_s = time.monotonic()
         self.snapshot = RankSnapshot(engine.stats(), 0, self._stats_published_s)
 
@@ -135,12 +138,14 @@ class StepLoop:
             return []
         started_s = time.monotonic()
         self._end_turn(started_s)
+        self._prefill_rate.turn_ended(started_s)
         gc_s = self._gc.seconds if self._gc is not None else 0.0
         if self.test_step_delay_s:
             time.sleep(self.test_step_delay_s)
         engine_started_s = time.monotonic()
         outputs = self.engine.step(force_forward=self._lockstep is not None)
         self._steps_completed += 1
+        self._prefill_rate.turn_started(started_s, self.engine.last_step.prefill_tokens)
         if self.trace is not None and self.engine.last_step.ran_work:
             engine_ms = (time.monotonic() - engine_started_s) * 1000
             self._open_turn = _OpenTurn(self.engine.last_step, started_s, engine_ms, gc_s,
@@ -155,7 +160,10 @@ class StepLoop:
             self.trace.record(turn.shape, turn.started_s, turn.engine_ms, now_s, gc_ms, turn.wait_ms)
 
     def _went_idle(self) -> None:
-        """The wait for work that follows is no step's cost; what the trace holds is written before it."""
+        """The wait for work that follows is no step's cost; what the trace holds is written before it, and the
+        snapshot gets the prefill speed of the turn that just ended (the loop may sleep until a command comes)."""
+        self._prefill_rate.turn_ended(time.monotonic())
+        self.snapshot = replace(self.snapshot, prefill_tokens_per_s=self._prefill_rate.tokens_per_s)
         if self.trace is not None:
             self._end_turn(time.monotonic())
             self.trace.flush()
@@ -166,7 +174,7 @@ class StepLoop:
         # About to idle (and perhaps sleep until a closure comes): publish what the last steps did now.
         if now - self._stats_published_s >= SNAPSHOT_INTERVAL_S or not self.engine.has_work():
             stats, self._stats_published_s = self.engine.stats(), now
-        self.snapshot = RankSnapshot(stats, self._steps_completed, now)
+        self.snapshot = RankSnapshot(stats, self._steps_completed, now, self._prefill_rate.tokens_per_s)
 
     def _break(self, message: str) -> None:
         """Stop taking work and fail whatever is queued, so no caller waits on a step thread that has ended."""

@@ -132,6 +132,20 @@ def test_logprobs_are_returned_for_each_token(tiny_v2):
     assert len(out.logprobs) == 6 and all(lp <= 0.0 for lp in out.logprobs)
 
 
+def test_queued_prompt_tokens_count_what_is_left_to_prefill(tiny_v2):
+    """What a rank reports for the router to tell how long its prefill queue takes (conditional disaggregation)."""
+    llm = LLM(tiny_v2, progress=False, enable_prefix_cache=False, max_num_batched_tokens=32)
+    engine = llm.engine
+    for i, prompt in enumerate(prompts_of((50, 20))):
+        engine.add_request(str(i), prompt, GREEDY)
+    assert engine.stats().queued_prompt_tokens == 70
+    engine.step()  # a 32-token chunk of the first prompt
+    assert engine.stats().queued_prompt_tokens == 38
+    while engine.stats().queued_prompt_tokens:
+        engine.step()
+    assert engine.has_work()  # decoding: no prompt left to compute
+
+
 def test_abort_frees_the_request_pages(tiny_v2):
     llm = LLM(tiny_v2, progress=False, enable_prefix_cache=False)
     engine = llm.engine

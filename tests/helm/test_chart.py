@@ -69,10 +69,13 @@ def test_router_discovers_exactly_the_serving_worker_pods(value_set: str) -> Non
 
 def test_routing_policy_and_weights_come_from_values() -> None:
     args = _router_args(render_objects({"router": {"routing": {"policy": "round_robin", "prefixWeight": 2.5,
-                                                                "loadWeight": 0.5, "localPrefillMaxTokens": 512}}}))
+                                                                "loadWeight": 0.5, "localPrefillMaxTokens": 512,
+                                                                "localPrefillMaxStallMs": 40}}}))
     assert arg_value(args, "--routing") == "round_robin"
     assert float(arg_value(args, "--prefix-weight")) == 2.5 and float(arg_value(args, "--load-weight")) == 0.5
     assert arg_value(args, "--local-prefill-max-tokens") == "512" and arg_value(args, "--local-prefill-min-queue") == "1"
+    assert float(arg_value(args, "--local-prefill-min-wait-ms")) == 0
+    assert float(arg_value(args, "--local-prefill-max-stall-ms")) == 40
 
 
 def test_single_node_workers_request_one_gpu_per_rank() -> None:

@@ -5,7 +5,7 @@ the P/D path, and both give the offline engine's greedy tokens."""
 import httpx
 import pytest
 import torch
-from probes import metric_total
+from probes import internal_headers, metric_total
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.inprocess import InProcessCluster
@@ -48,3 +48,6 @@ def test_short_prompts_prefill_on_the_decode_worker_and_long_ones_on_the_prefill
     assert complete(long) == expected[1]
     assert metric_total(cluster.url, "pdserve_router_local_prefills_total") == 1
     assert metric_total(prefill.url, "pdserve_prompt_tokens_total") == prefill_prompt_tokens + len(long)
+    # What the rule reads: the prefill rank measured its prefill speed, and has no prompt left to compute.
+    rank = httpx.get(prefill.url + "/internal/v1/load", headers=internal_headers(), timeout=TIMEOUT_S).json()["ranks"][0]
+    assert rank["prefill_tokens_per_s"] > 0 and rank["queued_prompt_tokens"] == 0

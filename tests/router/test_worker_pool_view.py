@@ -32,14 +32,19 @@ def test_ranks_come_in_url_order_and_follow_workers_that_come_go_and_change(tmp_
 def test_loads_follow_polls_and_assignments_and_survive_workers_coming(tmp_path):
     workers_file = tmp_path / "workers"
     pool = pool_of(workers_file, ["http://a", "http://b"])
-    admit(pool, "http://a", "prefill", 2, [RankLoad(0, 1, 2, 30, 40, 0), RankLoad(1, 0, 0, 40, 40, 0)])
+    admit(pool, "http://a", "prefill", 2, [RankLoad(0, 1, 2, 30, 40, 0, queued_prompt_tokens=900,
+                                                    prefill_tokens_per_s=3000.0), RankLoad(1, 0, 0, 40, 40, 0)])
     admit(pool, "http://b", "prefill", 1)
     candidates = pool.candidates(("prefill",))
     assert pool.loads_of(candidates).queue == [3, 0, 0]
     assert pool.loads_of(candidates).page_use == [0.25, 0.0, 0.0]
-    pool.note_assignment(("http://a", 1))
-    pool.note_assignment(("http://a", 1))
-    assert pool.loads_of(candidates).queue == [3, 2, 0]
+    assert pool.prefill_backlog(("http://a", 0)) == (900, 3000.0)
+    pool.note_assignment(("http://a", 1), 100)
+    pool.note_assignment(("http://a", 1), 50)
+    pool.note_assignment(("http://a", 0), 0)  # the decode rank of a P/D pair: queued, nothing to prefill
+    assert pool.loads_of(candidates).queue == [4, 2, 0]
+    assert pool.prefill_backlog(("http://a", 0)) == (900, 3000.0)
+    assert pool.prefill_backlog(("http://a", 1)) == (150, 0.0)  # not measured yet
     assert pool.loads_of(pool.candidates(("prefill",), {("http://a", 0)})).queue == [2, 0]
 
     write_endpoints_file(str(workers_file), ["http://a", "http://b", "http://0"])  # a new worker sorts first
