@@ -101,7 +101,11 @@ def cluster_config(args: argparse.Namespace, log_dir: Path) -> tuple[ClusterConf
         model, worker_args, preset = str(default_model_dir()), ["--dtype", "float32"], args.preset or "mixed-cpu"
     if not args.prefix_cache:
         worker_args.append("--no-prefix-cache")
-    router_args = ("--local-prefill-max-tokens", str(args.local_prefill_max_tokens)) if args.deployment == "conditional" else ()
+    router_args = ()
+    if args.deployment == "conditional":
+        router_args = ("--local-prefill-max-tokens", str(args.local_prefill_max_tokens),
+                       "--local-prefill-min-wait-ms", str(args.local_prefill_min_wait_ms),
+                       "--local-prefill-max-stall-ms", str(args.local_prefill_max_stall_ms))
     cfg = ClusterConfig(model, port=0, worker_args=tuple(worker_args + args.worker_args.split()), router_args=router_args,
                         start_timeout_s=480.0, log_dir=str(log_dir), **ROLES[args.deployment])
     return cfg, preset
@@ -219,6 +223,10 @@ def main() -> int:
     run_parser.add_argument("--slo-itl-p99-s", type=float, default=0.05)
     run_parser.add_argument("--prefix-cache", action="store_true", help="keep the prefix cache on (default off)")
     run_parser.add_argument("--local-prefill-max-tokens", type=int, default=4096, help="conditional: longest prompt")
+    run_parser.add_argument("--local-prefill-min-wait-ms", type=float, default=0.0,
+                            help="conditional: the prefill rank's queue time that makes it busy (0: no test)")
+    run_parser.add_argument("--local-prefill-max-stall-ms", type=float, default=0.0,
+                            help="conditional: the longest the decode worker's prompts may take (0: no limit)")
     run_parser.add_argument("--worker-args", default="", help="extra `pdserve worker` flags, space-separated")
     run_parser.add_argument("--out", default="bench-out")
     compare_parser = sub.add_parser("compare", help="tables and plots from the runs in --out")

@@ -84,7 +84,7 @@ class Dispatcher:
         decode = decode_ranks.keys[choose_decode(self._pool.loads_of(decode_ranks), sequence_number)]
         if self._local_prefill.enabled and self._local_prefill.prefill_on_decode(
                 len(prompt_token_ids), int(loads.queue[chosen]), *self._pool.prefill_backlog(prefill),
-                self._pool.prefill_backlog(decode)[1]):
+                *self._pool.prefill_backlog(decode)):
             self._metrics.count_local_prefill()
             return Route(decode, decode, Plan(kind="both"), 0)
         plan = Plan(kind="decode", prefill=PrefillSource(url=prefill[0], rank=prefill[1]))

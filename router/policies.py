@@ -85,24 +85,28 @@ class LocalPrefillRule:
     max_tokens: int = 0
     min_prefill_queue: int = 1  # ...when the prefill rank has at least this many requests running or waiting,
     min_wait_s: float = 0.0  # ...its queued prompt tokens would take it at least this long (0: no test),
-    max_stall_s: float = 0.0  # ...and the decode rank computes the prompt within this long (0: no limit)
+    # ...and the decode rank computes the prompt, after the prompts already queued there, within this long (0: no
+    # limit): the stall its running decodes take
+    max_stall_s: float = 0.0
 
     @property
     def enabled(self) -> bool:
         return self.max_tokens > 0
 
     def prefill_on_decode(self, prompt_tokens: int, prefill_queue: int, queued_prompt_tokens: int,
-                          prefill_rate: float, decode_rate: float) -> bool:
+                          prefill_rate: float, decode_queued_prompt_tokens: int, decode_rate: float) -> bool:
         """`prefill_queue`, `queued_prompt_tokens`, `prefill_rate`: requests, prompt tokens still to compute and
-        measured prompt tokens per second of the prefill rank chosen for the prompt; `decode_rate`: the decode rank's
-        (0 where it has prefilled nothing yet: the prefill rank's stands in, the same model on the same kind of
-        GPU). A wait cannot be told without a rate, so a rank not yet measured is never busy by `min_wait_s`."""
+        measured prompt tokens per second of the prefill rank chosen for the prompt; the decode rank's prompt tokens
+        and rate likewise (its rate 0 where it has not prefilled alone yet: the prefill rank's stands in, the same
+        model on the same kind of GPU). A wait cannot be told without a rate, so a rank not yet measured is never
+        busy by `min_wait_s`."""
         if prompt_tokens > self.max_tokens or prefill_queue < self.min_prefill_queue:
             return False
         if self.min_wait_s and (not prefill_rate or queued_prompt_tokens / prefill_rate < self.min_wait_s):
             return False
         rate = decode_rate or prefill_rate
-        return not (self.max_stall_s and rate and prompt_tokens / rate > self.max_stall_s)
+        stall_s = (decode_queued_prompt_tokens + prompt_tokens) / rate if rate else 0.0
+        return not (self.max_stall_s and stall_s > self.max_stall_s)
 
 
 def make_policy(name: str, prefix_weight: float, load_weight: float) -> Policy:
