@@ -40,8 +40,9 @@ class RouterConfig:
                                               "(0: always)")
     local_prefill_min_wait_ms: float = setting(0.0, "...and prompt tokens queued there for at least this long at its "
                                                     "measured prefill speed (0: no test)")
-    local_prefill_max_stall_ms: float = setting(0.0, "...if the decode rank computes the prompt within this long, the "
-                                                     "stall its decodes take (0: no limit)")
+    local_prefill_max_stall_ms: float = setting(0.0, "...if the decode rank gets through the prompts queued there and "
+                                                     "this one within this long, the time its decodes are slowed "
+                                                     "(0: no limit)")
     api_keys: frozenset[str] = field(default_factory=frozenset)  # empty: no authentication (--api-keys-file)
     # Limits: what a request may ask for before it is refused with a 4xx.
     max_body_bytes: int = setting(4 * 1024 * 1024, "larger request bodies get a 413")

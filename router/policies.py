@@ -97,8 +97,8 @@ class LocalPrefillRule:
                           prefill_rate: float, decode_queued_prompt_tokens: int, decode_rate: float) -> bool:
         """`prefill_queue`, `queued_prompt_tokens`, `prefill_rate`: requests, prompt tokens still to compute and
         measured prompt tokens per second of the prefill rank chosen for the prompt; the decode rank's prompt tokens
-        and rate likewise (its rate 0 where it has not prefilled alone yet: the prefill rank's stands in, the same
-        model on the same kind of GPU). A wait cannot be told without a rate, so a rank not yet measured is never
+        and rate likewise (its rate 0 where it has not prefilled yet: the prefill rank's stands in, the same model
+        on the same kind of GPU). A wait cannot be told without a rate, so a rank not yet measured is never
         busy by `min_wait_s`."""
         if prompt_tokens > self.max_tokens or prefill_queue < self.min_prefill_queue:
             return False
