@@ -288,8 +288,10 @@ class MoE(nn.Module):
                            shared.down_proj.weight.detach().view(hidden, count, inter).transpose(0, 1))
 
     def in_slots(self, tokens: int) -> bool:
-        """Whether a step of this many tokens runs the shared experts in the expert kernels' slots."""
-        return getattr(self.experts, "stacked_shared", 0) > 0 and tokens <= SHARED_SLOTS_MAX_TOKENS
+        """Whether a step of this many tokens runs the shared experts in the expert kernels' slots. (Asked twice a MoE
+        layer each step: an isinstance, not a getattr default, which on FP8 experts raises inside nn.Module.)"""
+        return (isinstance(self.experts, RoutedExperts) and self.experts.stacked_shared > 0
+                and tokens <= SHARED_SLOTS_MAX_TOKENS)
 
     def choose(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The gate's choice for each token (routed expert ids, for the load counts) and the slots the expert

@@ -162,10 +162,11 @@ class StepLoop:
     def _went_idle(self) -> None:
         """The wait for work that follows is no step's cost; what the trace holds is written before it, and the
         snapshot gets the prefill speed of the turn that just ended (the loop may sleep until a command comes)."""
-        self._prefill_rate.turn_ended(time.monotonic())
+        now = time.monotonic()
+        self._prefill_rate.turn_ended(now)
         self.snapshot = replace(self.snapshot, prefill_tokens_per_s=self._prefill_rate.tokens_per_s)
         if self.trace is not None:
-            self._end_turn(time.monotonic())
+            self._end_turn(now)
             self.trace.flush()
 
     def _turned(self) -> None:
