@@ -10,8 +10,15 @@ token a step, each step's attention is planned while the previous one runs, and 
 device between steps); the exchange is then not timed apart. `--trace-dir` writes each rank's profiled steps as a
 timeline and prints where its GPU sat idle (benchmarks/trace_gaps.py). `--ep-one-rank` makes a one-rank instance still exchange (with itself), to check the path on one GPU.
 
+`--variants` runs each EP size's steps several ways in one process (graphs captured afresh for each): `none` (the
+shared experts after the exchange, one chunk), `shared` (the shared experts while the tokens travel: the engine's
+default), `chunks` (also two-batch overlap: half the tokens through their experts while the other half travel),
+`no-transfer` (as `shared`, but every all-to-all is a local copy: the step's compute without the exchange, so
+step - no-transfer step is the exchange's exposed time).
+
     python benchmarks/gpu_expert_parallel.py --ranks 1,2,4 --batches 64,256     # V2-Lite shape, 1..4 GPUs
     python benchmarks/gpu_expert_parallel.py --ranks 1,2 --batches 64,256 --graphs   # EP1 graph vs EP2 graph
+    python benchmarks/gpu_expert_parallel.py --ranks 1,2 --batches 256 --graphs --variants none,shared,chunks,no-transfer
     python benchmarks/gpu_expert_parallel.py --device cpu --dtype float32 --layers 2 --ranks 1,2 --batches 2 \
         --context 32 --iters 2 --exchange fixed                                 # smoke run (gloo)
 """
@@ -35,11 +42,23 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.loader import build_model
 from pdserve.model.random_init import init_random_weights
 from pdserve.ops.moe import ExpertRange
-from pdserve.ops.moe_ep import ExpertParallelMoE
+from pdserve.ops.moe_ep import CompiledExpertParallelMoE, ExpertParallelMoE
 from pdserve.ops.select import select_backends
 
 
 PROFILED_STEPS = 3
+VARIANTS = {"none": (False, 1), "shared": (True, 1), "chunks": (True, 2), "no-transfer": (True, 1)}  # overlap settings
+
+
+class LocalCopyExchange(ExpertParallelMoE):
+    """The fixed-capacity exchange with each all-to-all replaced by a local copy: the same buffers, kernels and rows
+    as a real exchange (received expert ids mapped onto this rank's experts, so its GEMMs get as many rows), and no
+    transfer. Its step time is the step's compute alone."""
+
+    def _all_to_all(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
+        if tensor.dtype == torch.int64:  # expert ids: -1 stays padding, the rest land on this rank's experts
+            tensor = torch.where(tensor >= 0, tensor % self.experts_per_rank + self.first_expert, tensor)
+        out.copy_(tensor)
 
 
 def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, results) -> None:
@@ -59,7 +78,8 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
         cfg = ModelConfig.from_dict(raw)
         backends = select_backends(args.attention, args.moe, device, dtype)
         experts, moe = None, None
-        if world_size > 1 or args.ep_one_rank:
+        exchanges = world_size > 1 or args.ep_one_rank
+        if exchanges:
             moe = ExpertParallelMoE(None, cfg.n_routed_experts, backends.moe, sync_timing=not args.graphs,
                                     capacity_factor=args.capacity_factor)
             experts = ExpertRange(moe.first_expert, moe.experts_per_rank)
@@ -67,7 +87,15 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
         model = init_random_weights(build_model(cfg, backends, device, dtype, experts), seed=rank)
         # as the engine decides: the layers' own work (and the exchange's) compiled into the graphs where it runs them
         compiled = compile_layers(model) if args.graphs and wants_compiled_layers(args.compile_layers, model) else None
-        for batch_size in args.batches:
+        for batch_size, variant in [(b, v) for b in args.batches for v in (args.variants if exchanges else ["-"])]:
+            if exchanges:
+                moe = (LocalCopyExchange if variant == "no-transfer" else ExpertParallelMoE)(
+                    None, cfg.n_routed_experts, backends.moe.local, sync_timing=not args.graphs,
+                    capacity_factor=args.capacity_factor, overlap_shared=VARIANTS[variant][0],
+                    overlap_chunks=VARIANTS[variant][1])
+                model.backends = replace(backends, moe=moe)
+                if compiled is not None:  # the same compiled work around this variant's exchange
+                    compiled = replace(compiled, moe=CompiledExpertParallelMoE(moe, compiled.moe.work))
             kv_lens, query_lens = [args.context] * batch_size, [1] * batch_size
             # graph steps grow every sequence by a token a step: pages for each step the script runs
             longest = args.context + (args.iters + PROFILED_STEPS + 2 if args.graphs else 0)
@@ -101,7 +129,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
                         if args.trace_dir else None
                     _profile(step, f"EP{world_size} batch {batch_size}, rank 0" if rank == 0 and args.profile
                              else None, trace)
-            results.put(dict(ranks=world_size, rank=rank, batch=batch_size, step_ms=step_s * 1e3,
+            results.put(dict(ranks=world_size, rank=rank, batch=batch_size, variant=variant, step_ms=step_s * 1e3,
                              exchange_ms=exchange_s * 1e3, expert_gib=model.routed_expert_bytes() / 2**30,
                              overflowed=overflowed))
             del kv_cache, step
@@ -185,6 +213,8 @@ def main() -> None:
     parser.add_argument("--compile-layers", choices=("auto", "on", "off"), default="auto",
                         help="graphs: the layers' compiled regions and experts, as the engine's --compile-layers")
     parser.add_argument("--ep-one-rank", action="store_true", help="a one-rank instance exchanges with itself")
+    parser.add_argument("--variants", default="shared", help="exchanging instances: comma-separated of " +
+                        ", ".join(VARIANTS) + " (see above)")
     parser.add_argument("--profile", action="store_true", help="rank 0 prints its kernels by device time")
     parser.add_argument("--trace-dir", help="each rank writes its profiled steps' timeline here and prints its idle "
                                             "gaps")
@@ -194,6 +224,11 @@ def main() -> None:
             parser.error("--graphs needs --device cuda (flashinfer attention)")
         args.exchange = "fixed"
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.variants = args.variants.split(",")
+    if unknown := set(args.variants) - set(VARIANTS):
+        parser.error(f"unknown variants {sorted(unknown)}")
+    if "no-transfer" in args.variants and not args.graphs:
+        parser.error("the no-transfer variant replaces the fixed-capacity exchange: it needs --graphs")
     available = torch.cuda.device_count() if args.device == "cuda" else 64
     sizes = [r for r in (int(r) for r in args.ranks.split(",")) if r <= available]
 
@@ -204,13 +239,14 @@ def main() -> None:
         results = ctx.Queue()
         mp.start_processes(_rank_main, args=(world_size, free_port(), args, results), nprocs=world_size,
                            start_method="spawn", join=True)
-        per_rank = [results.get(timeout=60) for _ in range(world_size * len(args.batches))]
-        for batch in args.batches:
-            ranks = [r for r in per_rank if r["batch"] == batch]
-            rows.append(dict(ranks=world_size, batch=batch, step_ms=max(r["step_ms"] for r in ranks),
+        variants = args.variants if world_size > 1 or args.ep_one_rank else ["-"]
+        per_rank = [results.get(timeout=60) for _ in range(world_size * len(args.batches) * len(variants))]
+        for batch, variant in [(b, v) for b in args.batches for v in variants]:
+            ranks = [r for r in per_rank if r["batch"] == batch and r["variant"] == variant]
+            rows.append(dict(ranks=world_size, batch=batch, variant=variant, step_ms=max(r["step_ms"] for r in ranks),
                              exchange_ms=max(r["exchange_ms"] for r in ranks), expert_gib=ranks[0]["expert_gib"]))
             # at once: a later instance size that hangs or runs out of time must not take these figures with it
-            print(f"EP{world_size} batch {batch}: step {rows[-1]['step_ms']:.2f} ms, exchange "
+            print(f"EP{world_size} batch {batch} {variant}: step {rows[-1]['step_ms']:.2f} ms, exchange "
                   f"{rows[-1]['exchange_ms']:.2f} ms", flush=True)
             if any(r["overflowed"] for r in ranks):
                 print(f"EP{world_size} batch {batch}: the fixed exchange overflowed (some figures are of dropped "
@@ -220,14 +256,21 @@ def main() -> None:
     kind = "CUDA-graph" if args.graphs else "eager"
     print(f"\n{device_name}; context {args.context}; {args.dtype}; step = slowest rank's {kind} decode step; "
           f"exchange: {args.exchange}" + (f"; skipped (not enough devices): {skipped}" if skipped else ""))
-    print("| ranks | batch per rank | step (ms) | exchange (ms) | exchange share | tokens/s (all ranks) "
+    print("| ranks | batch per rank | overlap | step (ms) | exchange (ms) | exchange share | tokens/s (all ranks) "
           "| expert weights per rank (GiB) |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         tokens_per_s = row["ranks"] * row["batch"] / (row["step_ms"] / 1e3)
-        exchange = "- | -" if args.graphs else f"{row['exchange_ms']:.2f} | {row['exchange_ms'] / row['step_ms']:.0%}"
-        print(f"| {row['ranks']} | {row['batch']} | {row['step_ms']:.2f} | {exchange} | {tokens_per_s:,.0f} | "
-              f"{row['expert_gib']:.2f} |")
+        exchange_ms = row["exchange_ms"] if not args.graphs else _exposed_ms(row, rows)
+        exchange = "- | -" if exchange_ms is None else f"{exchange_ms:.2f} | {exchange_ms / row['step_ms']:.0%}"
+        print(f"| {row['ranks']} | {row['batch']} | {row['variant']} | {row['step_ms']:.2f} | {exchange} | "
+              f"{tokens_per_s:,.0f} | {row['expert_gib']:.2f} |")
+
+
+def _exposed_ms(row: dict, rows: list[dict]) -> float | None:
+    """Graph steps: the exchange's exposed time, the step less the same step with no transfer (when run)."""
+    base = [r for r in rows if (r["ranks"], r["batch"], r["variant"]) == (row["ranks"], row["batch"], "no-transfer")]
+    return row["step_ms"] - base[0]["step_ms"] if base and row["variant"] not in ("-", "no-transfer") else None
 
 
 if __name__ == "__main__":

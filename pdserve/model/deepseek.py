@@ -6,6 +6,7 @@ the linears an FP8 checkpoint ships in FP8 stay FP8 (pdserve.model.fp8_modules),
 Linears that read the same input can be fused into one GEMM (`fuse_projections`) and keep their names.
 """
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,7 +20,7 @@ from pdserve.model.rope import RotaryEmbedding
 from pdserve.ops.attention import AttentionBackend, AttentionBatch, gather_kv, write_kv
 from pdserve.ops.expert_load import ExpertLoad
 from pdserve.ops.moe import ExpertRange, MoEBackend
-from pdserve.ops.moe_ep import ExpertParallelMoE
+from pdserve.ops.moe_ep import ExpertParallelMoE, overlaps_shared
 from pdserve.ops.select import Backends
 
 
@@ -305,16 +306,26 @@ class MoE(nn.Module):
                 torch.cat([topk_weights, topk_weights.new_ones(h.shape[0], stacked)], dim=1))
 
     def routed(self, x: torch.Tensor, routed_ids: torch.Tensor, slot_ids: torch.Tensor, slot_weights: torch.Tensor,
-               backend: MoEBackend, load: ExpertLoad | None) -> torch.Tensor:
-        """Each token's experts' weighted sum, by the backend's kernels (choose() has picked the slots)."""
+               backend: MoEBackend, load: ExpertLoad | None, shared_beside: bool = False) -> torch.Tensor:
+        """Each token's experts' weighted sum, by the backend's kernels (choose() has picked the slots); with
+        `shared_beside` (see shared_beside()), the shared experts' output added, computed while the tokens travel."""
         if load is not None:
             load.record(self.layer_idx, routed_ids)
         w13, w2 = self.experts.weights()
+        if shared_beside:
+            return backend.forward(x, slot_ids, slot_weights, w13, w2, self.experts.experts.first,
+                                   beside=functools.partial(self.shared_experts, x))
         return backend.forward(x, slot_ids, slot_weights, w13, w2, self.experts.experts.first)
 
-    def combine(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
-        """The routed sum plus the shared experts' output, where choose() left them out of the slots."""
-        if self.shared_experts is None or self.in_slots(x.shape[0]):
+    def shared_beside(self, backend: MoEBackend) -> bool:
+        """Whether the backend runs the shared experts while it exchanges the routed tokens between ranks (then
+        routed() includes them and combine() adds nothing)."""
+        return self.shared_experts is not None and overlaps_shared(backend)
+
+    def combine(self, x: torch.Tensor, routed: torch.Tensor, shared_added: bool = False) -> torch.Tensor:
+        """The routed sum plus the shared experts' output, where neither choose() put them in the slots nor the
+        backend added them (`shared_added`)."""
+        if self.shared_experts is None or shared_added or self.in_slots(x.shape[0]):
             return routed
         return routed + self.shared_experts(x)
 
@@ -350,9 +361,10 @@ class DecoderLayer(nn.Module):
     def finish(self, x, heads_out, backends: Backends, expanded: bool, regions: "LayerRegions") -> torch.Tensor:
         """Everything after attention: o_proj and the residual, the MLP or the experts (routed by the backend)."""
         x, h, routed_ids, slot_ids, slot_weights = regions.attention_output(self, x, heads_out, not expanded)
-        routed = (self.mlp.routed(h, routed_ids, slot_ids, slot_weights, backends.moe, backends.expert_load)
-                  if self.is_moe else None)
-        return regions.mlp_output(self, x, h, routed)
+        shared_beside = self.is_moe and self.mlp.shared_beside(backends.moe)
+        routed = (self.mlp.routed(h, routed_ids, slot_ids, slot_weights, backends.moe, backends.expert_load,
+                                  shared_beside) if self.is_moe else None)
+        return regions.mlp_output(self, x, h, routed, shared_beside)
 
 
 def attention_inputs(layer: DecoderLayer, x, rotations, rope: RotaryEmbedding, absorb: bool):
@@ -366,8 +378,8 @@ def attention_output(layer: DecoderLayer, x, heads_out, latent_out: bool):
     return (x, h, *layer.mlp.choose(h)) if layer.is_moe else (x, h, None, None, None)
 
 
-def mlp_output(layer: DecoderLayer, x, h, routed: torch.Tensor | None):
-    return x + (layer.mlp.combine(h, routed) if layer.is_moe else layer.mlp(h))
+def mlp_output(layer: DecoderLayer, x, h, routed: torch.Tensor | None, shared_added: bool = False):
+    return x + (layer.mlp.combine(h, routed, shared_added) if layer.is_moe else layer.mlp(h))
 
 
 @dataclass(frozen=True)

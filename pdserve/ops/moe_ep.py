@@ -11,12 +11,16 @@ Decode steps can use a fixed-capacity exchange instead (`fixed_tokens` set, the 
 reserves C rows for each peer, the all-to-alls move equal splits, and nothing waits on the host, so the step can be
 captured in a CUDA graph. A pair past its owner's C rows is dropped and raises the overflow flag; the engine then
 runs the step again with split sizes (`overflowed_anywhere`), so no result ever comes from a dropped pair.
+
+Overlap: the collectives are launched without waiting, and the work that does not need their result runs while the
+tokens travel: the layer's shared experts (`beside`), and, with `overlap_chunks` 2, one half of a fixed-capacity
+step's tokens goes through its experts while the other half's travel (two-batch overlap inside the MoE layer).
 """
 
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -68,9 +72,14 @@ class ExpertParallelMoE:
     exchange so its time is exact; `capacity_factor` sizes the fixed-capacity exchange (capacity_rows)."""
 
     def __init__(self, group: dist.ProcessGroup | None, num_experts: int, local: MoEBackend | None = None,
-                 sync_timing: bool = False, capacity_factor: float = 2.0, host_group: dist.ProcessGroup | None = None):
+                 sync_timing: bool = False, capacity_factor: float = 2.0, host_group: dist.ProcessGroup | None = None,
+                 overlap_shared: bool = True, overlap_chunks: int = 1):
         """`host_group`: a gloo group of the same ranks for agreeing on host values (a step's size); over NCCL the
-        agreement would wait for all the device work queued before it, so the host could not run a step ahead."""
+        agreement would wait for all the device work queued before it, so the host could not run a step ahead.
+        `overlap_shared`: the model runs its shared experts while the tokens travel (see forward's `beside`).
+        `overlap_chunks`: fixed-capacity steps exchange and compute their tokens in this many chunks (1 or 2)."""
+        if overlap_chunks not in (1, 2):
+            raise ValueError(f"overlap_chunks is 1 or 2, not {overlap_chunks}")
         self.group = group
         self.host_group = host_group
         self.local = local or TorchMoE()
@@ -79,6 +88,8 @@ class ExpertParallelMoE:
         self.first_expert, self.experts_per_rank = expert_owner_range(self.rank, self.world_size, num_experts)
         self.sync_timing = sync_timing
         self.capacity_factor = capacity_factor
+        self.overlap_shared = overlap_shared
+        self.overlap_chunks = overlap_chunks
         self.exchange = ExchangeStats()
         # Tokens per rank of the current fixed-capacity step (every rank alike), or None: split sizes exchanged.
         self.fixed_tokens: int | None = None
@@ -120,37 +131,47 @@ class ExpertParallelMoE:
         return self._overflow
 
     def forward(self, x, topk_ids, topk_weights, w13, w2, first_expert: int,
-                work: FixedExchangeWork | None = None):
-        """`work`: the fixed-capacity exchange's tensor work (CompiledExpertParallelMoE's compiled); eager without."""
+                work: FixedExchangeWork | None = None, beside: Callable[[], torch.Tensor] | None = None):
+        """`work`: the fixed-capacity exchange's tensor work (CompiledExpertParallelMoE's compiled); eager without.
+        `beside`: work of the same tokens that needs no expert output (the layer's shared experts), run while the
+        tokens travel; its result is added to the routed sum."""
         if first_expert != self.first_expert or w13.shape[0] != self.experts_per_rank:
             raise ValueError(
                 f"rank {self.rank} should hold experts [{self.first_expert}, +{self.experts_per_rank}), "
                 f"the model holds [{first_expert}, +{w13.shape[0]})"
             )
         if self.fixed_tokens is not None:
-            return self._exchange_fixed(x, topk_ids, topk_weights, w13, w2, work or self.eager_work)
-        num_tokens, k = topk_ids.shape
-        flat_ids = topk_ids.reshape(-1)
-        owner = torch.div(flat_ids, self.experts_per_rank, rounding_mode="floor")
-        order = torch.argsort(owner, stable=True)  # pairs grouped by owner; token order kept inside a group
-        per_pair = self._exchange_splits(x, flat_ids, owner, order, k, w13, w2)
-        return _combine(per_pair.view(num_tokens, k, x.shape[1]), topk_ids, topk_weights, x.dtype)
+            routed, beside_out = self._exchange_fixed(x, topk_ids, topk_weights, w13, w2, work or self.eager_work,
+                                                      beside)
+        else:
+            num_tokens, k = topk_ids.shape
+            flat_ids = topk_ids.reshape(-1)
+            owner = torch.div(flat_ids, self.experts_per_rank, rounding_mode="floor")
+            order = torch.argsort(owner, stable=True)  # pairs grouped by owner; token order kept inside a group
+            per_pair, beside_out = self._exchange_splits(x, flat_ids, owner, order, k, w13, w2, beside)
+            routed = _combine(per_pair.view(num_tokens, k, x.shape[1]), topk_ids, topk_weights, x.dtype)
+        return routed if beside_out is None else routed + beside_out
 
-    def _exchange_splits(self, x, flat_ids, owner, order, k: int, w13, w2) -> torch.Tensor:
+    def _exchange_splits(self, x, flat_ids, owner, order, k: int, w13, w2, beside):
         """Split sizes first (the host reads them), then exactly the rows each owner needs. Each pair's unweighted
-        expert output, in pair order [T * k, hidden]."""
+        expert output, in pair order [T * k, hidden], and `beside`'s result."""
         send_counts = torch.bincount(owner, minlength=self.world_size)
         send_x = x[torch.div(order, k, rounding_mode="floor")]
         send_ids = flat_ids[order]
 
+        beside_out = self._beside_untimed(beside)
         started = self._clock()
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         send_split, recv_split = send_counts.tolist(), recv_counts.tolist()
         recv_x = x.new_empty(sum(recv_split), x.shape[1])
         recv_ids = send_ids.new_empty(sum(recv_split))
-        dist.all_to_all_single(recv_x, send_x, recv_split, send_split, group=self.group)
-        dist.all_to_all_single(recv_ids, send_ids, recv_split, send_split, group=self.group)
+        in_flight = [dist.all_to_all_single(recv_x, send_x, recv_split, send_split, group=self.group, async_op=True),
+                     dist.all_to_all_single(recv_ids, send_ids, recv_split, send_split, group=self.group,
+                                            async_op=True)]
+        if beside is not None and beside_out is None:
+            beside_out = beside()
+        _wait(in_flight)
         dispatched = self._clock()
 
         # Each received row is a token with one expert of weight 1: the local backend returns its unweighted output.
@@ -161,53 +182,113 @@ class ExpertParallelMoE:
         combine_started = self._clock()
         back = x.new_empty(send_x.shape)
         dist.all_to_all_single(back, expert_out, send_split, recv_split, group=self.group)
-        self._count(started, dispatched, combine_started, int(send_x.shape[0]))
+        self._count(started, combine_started - dispatched, int(send_x.shape[0]))
 
         per_pair = torch.empty_like(back)
         per_pair[order] = back
-        return per_pair
+        return per_pair, beside_out
 
-    def _exchange_fixed(self, x, topk_ids, topk_weights, w13, w2, work: FixedExchangeWork) -> torch.Tensor:
+    def _exchange_fixed(self, x, topk_ids, topk_weights, w13, w2, work: FixedExchangeWork, beside):
         """C rows per (rank, peer), padding marked by expert id -1; no host reads, so a graph can hold it. Pairs
-        past their owner's C rows are dropped (their output reads as zero) and raise the overflow flag."""
+        past their owner's C rows are dropped (their output reads as zero) and raise the overflow flag. With two
+        chunks, the first chunk's experts run while the second's rows travel, and the second's while the first's
+        come back. Returns the routed sum and `beside`'s result."""
         num_pairs = topk_ids.numel()
         k = topk_ids.shape[1]
         if num_pairs > self.fixed_tokens * k:
             raise ValueError(f"{num_pairs // k} tokens in a fixed-capacity step of {self.fixed_tokens}")
-        capacity = capacity_rows(self.fixed_tokens, k, self.world_size, self.capacity_factor)
-        rows = self.world_size * capacity
-        send_x, send_ids, order, slot, overflowed = work.place(x, topk_ids, self.experts_per_rank, self.world_size,
-                                                               capacity)
-        self._overflow_flag(x.device).logical_or_(overflowed)
+        chunks = [_FixedChunk(x[start:end], topk_ids[start:end], topk_weights[start:end], size)
+                  for start, end, size in _chunk_bounds(x.shape[0], self.fixed_tokens, self.overlap_chunks)]
+        for chunk in chunks:
+            capacity = capacity_rows(chunk.fixed_tokens, k, self.world_size, self.capacity_factor)
+            chunk.rows = self.world_size * capacity
+            chunk.send_x, chunk.send_ids, chunk.order, chunk.slot, overflowed = work.place(
+                chunk.x, chunk.ids, self.experts_per_rank, self.world_size, capacity)
+            self._overflow_flag(x.device).logical_or_(overflowed)
 
+        beside_out = self._beside_untimed(beside)
         started = self._clock()
-        recv_x, recv_ids = torch.empty_like(send_x), torch.empty_like(send_ids)
-        dist.all_to_all_single(recv_x, send_x, group=self.group)
-        dist.all_to_all_single(recv_ids, send_ids, group=self.group)
-        dispatched = self._clock()
-
-        # Padding rows carry expert -1, which no rank holds: the local backend leaves them out (they return unset
-        # rows, which no pair reads).
-        weights = torch.ones(recv_ids.shape[0], 1, dtype=torch.float32, device=x.device)
-        expert_out = work.local.forward(recv_x, recv_ids[:, None], weights, w13, w2, self.first_expert)
-
-        combine_started = self._clock()
-        back = x.new_zeros(rows + 1, x.shape[1])  # the spare row stays zero: a dropped pair reads it
-        dist.all_to_all_single(back[:rows], expert_out, group=self.group)
-        self._count(started, dispatched, combine_started, num_pairs)
+        for chunk in chunks:
+            chunk.recv_x, chunk.recv_ids = torch.empty_like(chunk.send_x), torch.empty_like(chunk.send_ids)
+            chunk.dispatch = [self._all_to_all(chunk.recv_x, chunk.send_x), self._all_to_all(chunk.recv_ids,
+                                                                                             chunk.send_ids)]
+        if beside is not None and beside_out is None:
+            beside_out = beside()
+        computing = 0.0  # the experts' time between the collectives (measured with sync_timing)
+        for chunk in chunks:
+            _wait(chunk.dispatch)
+            # Padding rows carry expert -1, which no rank holds: the local backend leaves them out (they return
+            # unset rows, which no pair reads).
+            weights = torch.ones(chunk.recv_ids.shape[0], 1, dtype=torch.float32, device=x.device)
+            computing -= self._clock()
+            expert_out = work.local.forward(chunk.recv_x, chunk.recv_ids[:, None], weights, w13, w2,
+                                            self.first_expert)
+            computing += self._clock()
+            chunk.back = x.new_zeros(chunk.rows + 1, x.shape[1])  # the spare row stays zero: a dropped pair reads it
+            chunk.combine = [self._all_to_all(chunk.back[:chunk.rows], expert_out)]
+        for chunk in chunks:
+            _wait(chunk.combine)
+        self._count(started, computing, num_pairs)
         self.exchange.fixed_calls += 1
-        return work.combine(back, order, slot, topk_ids, topk_weights)
+        routed = [work.combine(chunk.back, chunk.order, chunk.slot, chunk.ids, chunk.weights) for chunk in chunks]
+        return (routed[0] if len(routed) == 1 else torch.cat(routed)), beside_out
 
-    def _count(self, started: float, dispatched: float, combine_started: float, sent_rows: int) -> None:
-        finished = self._clock()
+    def _all_to_all(self, out: torch.Tensor, tensor: torch.Tensor) -> dist.Work:
+        """One equal-split all-to-all of the fixed-capacity exchange, launched without waiting for it. (The
+        expert-parallel benchmark replaces it to time steps with no transfer.)"""
+        return dist.all_to_all_single(out, tensor, group=self.group, async_op=True)
+
+    def _beside_untimed(self, beside: Callable[[], torch.Tensor] | None) -> torch.Tensor | None:
+        """With sync_timing the exchange is timed alone, so `beside` runs before it instead of during it."""
+        return beside() if beside is not None and self.sync_timing else None
+
+    def _count(self, started: float, computing: float, sent_rows: int) -> None:
+        """One exchange since `started`, less `computing` seconds of expert work inside it."""
         self.exchange.calls += 1
-        self.exchange.seconds += (dispatched - started) + (finished - combine_started)
+        self.exchange.seconds += self._clock() - started - computing
         self.exchange.sent_rows += sent_rows
 
     def _clock(self) -> float:
         if self.sync_timing and torch.cuda.is_available():
             torch.cuda.synchronize()
         return time.perf_counter()
+
+
+@dataclass
+class _FixedChunk:
+    """One chunk of a fixed-capacity step: its tokens, then its buffers and collectives as the exchange goes."""
+
+    x: torch.Tensor
+    ids: torch.Tensor
+    weights: torch.Tensor
+    fixed_tokens: int  # the most tokens any rank has in this chunk (what its capacity is sized for)
+    rows: int = 0
+    send_x: torch.Tensor | None = None
+    send_ids: torch.Tensor | None = None
+    order: torch.Tensor | None = None
+    slot: torch.Tensor | None = None
+    recv_x: torch.Tensor | None = None
+    recv_ids: torch.Tensor | None = None
+    back: torch.Tensor | None = None
+    dispatch: list = field(default_factory=list)
+    combine: list = field(default_factory=list)
+
+
+def _chunk_bounds(tokens: int, fixed_tokens: int, chunks: int) -> list[tuple[int, int, int]]:
+    """(start, end, fixed size) of each chunk of a rank's `tokens` in a step of `fixed_tokens` per rank: the first
+    ceil(fixed / chunks) tokens, then the rest, the same split on every rank (a rank with fewer tokens has fewer or
+    none in the last chunk). One chunk where a step has a single token."""
+    if chunks == 1 or fixed_tokens < 2:
+        return [(0, tokens, fixed_tokens)]
+    first = -(-fixed_tokens // 2)
+    split = min(tokens, first)
+    return [(0, split, first), (split, tokens, fixed_tokens - first)]
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        if work is not None:
+            work.wait()
 
 
 def place_pairs(x: torch.Tensor, topk_ids: torch.Tensor, experts_per_rank: int, world_size: int, capacity: int):
@@ -256,8 +337,14 @@ class CompiledExpertParallelMoE:
         return cls(exchange, FixedExchangeWork(compile_token_dynamic(place_pairs, backend), local,
                                                compile_token_dynamic(combine_returned, backend)))
 
-    def forward(self, x, topk_ids, topk_weights, w13, w2, first_expert: int):
-        return self.exchange.forward(x, topk_ids, topk_weights, w13, w2, first_expert, self.work)
+    def forward(self, x, topk_ids, topk_weights, w13, w2, first_expert: int, beside=None):
+        return self.exchange.forward(x, topk_ids, topk_weights, w13, w2, first_expert, self.work, beside)
+
+
+def overlaps_shared(backend: MoEBackend) -> bool:
+    """Whether `backend` exchanges tokens and runs a layer's shared experts while they travel (forward's `beside`)."""
+    exchange = backend.exchange if isinstance(backend, CompiledExpertParallelMoE) else backend
+    return isinstance(exchange, ExpertParallelMoE) and exchange.overlap_shared
 
 
 def _combine(expert_out: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
