@@ -11,14 +11,13 @@ device between steps); the exchange is then not timed apart. `--trace-dir` write
 timeline and prints where its GPU sat idle (benchmarks/trace_gaps.py). `--ep-one-rank` makes a one-rank instance still exchange (with itself), to check the path on one GPU.
 
 `--variants` runs each EP size's steps several ways in one process (graphs captured afresh for each): `none` (the
-shared experts after the exchange, one chunk), `shared` (the shared experts while the tokens travel: the engine's
-default), `chunks` (also two-batch overlap: half the tokens through their experts while the other half travel),
+shared experts after the exchange), `shared` (the shared experts while the tokens travel: the engine's default),
 `no-transfer` (as `shared`, but every all-to-all is a local copy: the step's compute without the exchange, so
 step - no-transfer step is the exchange's exposed time).
 
     python benchmarks/gpu_expert_parallel.py --ranks 1,2,4 --batches 64,256     # V2-Lite shape, 1..4 GPUs
     python benchmarks/gpu_expert_parallel.py --ranks 1,2 --batches 64,256 --graphs   # EP1 graph vs EP2 graph
-    python benchmarks/gpu_expert_parallel.py --ranks 1,2 --batches 256 --graphs --variants none,shared,chunks,no-transfer
+    python benchmarks/gpu_expert_parallel.py --ranks 1,2 --batches 256 --graphs --variants none,shared,no-transfer
     python benchmarks/gpu_expert_parallel.py --device cpu --dtype float32 --layers 2 --ranks 1,2 --batches 2 \
         --context 32 --iters 2 --exchange fixed                                 # smoke run (gloo)
 """
@@ -47,7 +46,7 @@ from pdserve.ops.select import select_backends
 
 
 PROFILED_STEPS = 3
-VARIANTS = {"none": (False, 1), "shared": (True, 1), "chunks": (True, 2), "no-transfer": (True, 1)}  # overlap settings
+VARIANTS = {"none": False, "shared": True, "no-transfer": True}  # whether the shared experts run beside the exchange
 
 
 class LocalCopyExchange(ExpertParallelMoE):
@@ -91,8 +90,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
             if exchanges:
                 moe = (LocalCopyExchange if variant == "no-transfer" else ExpertParallelMoE)(
                     None, cfg.n_routed_experts, backends.moe.local, sync_timing=not args.graphs,
-                    capacity_factor=args.capacity_factor, overlap_shared=VARIANTS[variant][0],
-                    overlap_chunks=VARIANTS[variant][1])
+                    capacity_factor=args.capacity_factor, overlap_shared=VARIANTS[variant])
                 model.backends = replace(backends, moe=moe)
                 if compiled is not None:  # the same compiled work around this variant's exchange
                     compiled = replace(compiled, moe=CompiledExpertParallelMoE(moe, compiled.moe.work))

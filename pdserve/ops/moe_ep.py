@@ -12,15 +12,15 @@ reserves C rows for each peer, the all-to-alls move equal splits, and nothing wa
 captured in a CUDA graph. A pair past its owner's C rows is dropped and raises the overflow flag; the engine then
 runs the step again with split sizes (`overflowed_anywhere`), so no result ever comes from a dropped pair.
 
-Overlap: the collectives are launched without waiting, and the work that does not need their result runs while the
-tokens travel: the layer's shared experts (`beside`), and, with `overlap_chunks` 2, one half of a fixed-capacity
-step's tokens goes through its experts while the other half's travel (two-batch overlap inside the MoE layer).
+Overlap: the dispatch is launched without waiting, and work that does not need it runs while the tokens travel: the
+layer's shared experts (`beside`). Two-batch overlap (half the tokens through their experts while the other half
+travel) was measured slower at decode sizes, where the experts' weights would be read twice (docs/expert_parallel.md).
 """
 
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -73,13 +73,10 @@ class ExpertParallelMoE:
 
     def __init__(self, group: dist.ProcessGroup | None, num_experts: int, local: MoEBackend | None = None,
                  sync_timing: bool = False, capacity_factor: float = 2.0, host_group: dist.ProcessGroup | None = None,
-                 overlap_shared: bool = True, overlap_chunks: int = 1):
+                 overlap_shared: bool = True):
         """`host_group`: a gloo group of the same ranks for agreeing on host values (a step's size); over NCCL the
         agreement would wait for all the device work queued before it, so the host could not run a step ahead.
-        `overlap_shared`: the model runs its shared experts while the tokens travel (see forward's `beside`).
-        `overlap_chunks`: fixed-capacity steps exchange and compute their tokens in this many chunks (1 or 2)."""
-        if overlap_chunks not in (1, 2):
-            raise ValueError(f"overlap_chunks is 1 or 2, not {overlap_chunks}")
+        `overlap_shared`: the model runs its shared experts while the tokens travel (see forward's `beside`)."""
         self.group = group
         self.host_group = host_group
         self.local = local or TorchMoE()
@@ -89,7 +86,6 @@ class ExpertParallelMoE:
         self.sync_timing = sync_timing
         self.capacity_factor = capacity_factor
         self.overlap_shared = overlap_shared
-        self.overlap_chunks = overlap_chunks
         self.exchange = ExchangeStats()
         # Tokens per rank of the current fixed-capacity step (every rank alike), or None: split sizes exchanged.
         self.fixed_tokens: int | None = None
@@ -190,48 +186,38 @@ class ExpertParallelMoE:
 
     def _exchange_fixed(self, x, topk_ids, topk_weights, w13, w2, work: FixedExchangeWork, beside):
         """C rows per (rank, peer), padding marked by expert id -1; no host reads, so a graph can hold it. Pairs
-        past their owner's C rows are dropped (their output reads as zero) and raise the overflow flag. With two
-        chunks, the first chunk's experts run while the second's rows travel, and the second's while the first's
-        come back. Returns the routed sum and `beside`'s result."""
+        past their owner's C rows are dropped (their output reads as zero) and raise the overflow flag. Returns the
+        routed sum and `beside`'s result."""
         num_pairs = topk_ids.numel()
         k = topk_ids.shape[1]
         if num_pairs > self.fixed_tokens * k:
             raise ValueError(f"{num_pairs // k} tokens in a fixed-capacity step of {self.fixed_tokens}")
-        chunks = [_FixedChunk(x[start:end], topk_ids[start:end], topk_weights[start:end], size)
-                  for start, end, size in _chunk_bounds(x.shape[0], self.fixed_tokens, self.overlap_chunks)]
-        for chunk in chunks:
-            capacity = capacity_rows(chunk.fixed_tokens, k, self.world_size, self.capacity_factor)
-            chunk.rows = self.world_size * capacity
-            chunk.send_x, chunk.send_ids, chunk.order, chunk.slot, overflowed = work.place(
-                chunk.x, chunk.ids, self.experts_per_rank, self.world_size, capacity)
-            self._overflow_flag(x.device).logical_or_(overflowed)
+        capacity = capacity_rows(self.fixed_tokens, k, self.world_size, self.capacity_factor)
+        rows = self.world_size * capacity
+        send_x, send_ids, order, slot, overflowed = work.place(x, topk_ids, self.experts_per_rank, self.world_size,
+                                                               capacity)
+        self._overflow_flag(x.device).logical_or_(overflowed)
 
         beside_out = self._beside_untimed(beside)
         started = self._clock()
-        for chunk in chunks:
-            chunk.recv_x, chunk.recv_ids = torch.empty_like(chunk.send_x), torch.empty_like(chunk.send_ids)
-            chunk.dispatch = [self._all_to_all(chunk.recv_x, chunk.send_x), self._all_to_all(chunk.recv_ids,
-                                                                                             chunk.send_ids)]
+        recv_x, recv_ids = torch.empty_like(send_x), torch.empty_like(send_ids)
+        in_flight = [self._all_to_all(recv_x, send_x), self._all_to_all(recv_ids, send_ids)]
         if beside is not None and beside_out is None:
             beside_out = beside()
-        computing = 0.0  # the experts' time between the collectives (measured with sync_timing)
-        for chunk in chunks:
-            _wait(chunk.dispatch)
-            # Padding rows carry expert -1, which no rank holds: the local backend leaves them out (they return
-            # unset rows, which no pair reads).
-            weights = torch.ones(chunk.recv_ids.shape[0], 1, dtype=torch.float32, device=x.device)
-            computing -= self._clock()
-            expert_out = work.local.forward(chunk.recv_x, chunk.recv_ids[:, None], weights, w13, w2,
-                                            self.first_expert)
-            computing += self._clock()
-            chunk.back = x.new_zeros(chunk.rows + 1, x.shape[1])  # the spare row stays zero: a dropped pair reads it
-            chunk.combine = [self._all_to_all(chunk.back[:chunk.rows], expert_out)]
-        for chunk in chunks:
-            _wait(chunk.combine)
-        self._count(started, computing, num_pairs)
+        _wait(in_flight)
+        dispatched = self._clock()
+
+        # Padding rows carry expert -1, which no rank holds: the local backend leaves them out (they return unset
+        # rows, which no pair reads).
+        weights = torch.ones(recv_ids.shape[0], 1, dtype=torch.float32, device=x.device)
+        expert_out = work.local.forward(recv_x, recv_ids[:, None], weights, w13, w2, self.first_expert)
+
+        combine_started = self._clock()
+        back = x.new_zeros(rows + 1, x.shape[1])  # the spare row stays zero: a dropped pair reads it
+        _wait([self._all_to_all(back[:rows], expert_out)])
+        self._count(started, combine_started - dispatched, num_pairs)
         self.exchange.fixed_calls += 1
-        routed = [work.combine(chunk.back, chunk.order, chunk.slot, chunk.ids, chunk.weights) for chunk in chunks]
-        return (routed[0] if len(routed) == 1 else torch.cat(routed)), beside_out
+        return work.combine(back, order, slot, topk_ids, topk_weights), beside_out
 
     def _all_to_all(self, out: torch.Tensor, tensor: torch.Tensor) -> dist.Work:
         """One equal-split all-to-all of the fixed-capacity exchange, launched without waiting for it. (The
@@ -254,40 +240,9 @@ class ExpertParallelMoE:
         return time.perf_counter()
 
 
-@dataclass
-class _FixedChunk:
-    """One chunk of a fixed-capacity step: its tokens, then its buffers and collectives as the exchange goes."""
-
-    x: torch.Tensor
-    ids: torch.Tensor
-    weights: torch.Tensor
-    fixed_tokens: int  # the most tokens any rank has in this chunk (what its capacity is sized for)
-    rows: int = 0
-    send_x: torch.Tensor | None = None
-    send_ids: torch.Tensor | None = None
-    order: torch.Tensor | None = None
-    slot: torch.Tensor | None = None
-    recv_x: torch.Tensor | None = None
-    recv_ids: torch.Tensor | None = None
-    back: torch.Tensor | None = None
-    dispatch: list = field(default_factory=list)
-    combine: list = field(default_factory=list)
-
-
-def _chunk_bounds(tokens: int, fixed_tokens: int, chunks: int) -> list[tuple[int, int, int]]:
-    """(start, end, fixed size) of each chunk of a rank's `tokens` in a step of `fixed_tokens` per rank: the first
-    ceil(fixed / chunks) tokens, then the rest, the same split on every rank (a rank with fewer tokens has fewer or
-    none in the last chunk). One chunk where a step has a single token."""
-    if chunks == 1 or fixed_tokens < 2:
-        return [(0, tokens, fixed_tokens)]
-    first = -(-fixed_tokens // 2)
-    split = min(tokens, first)
-    return [(0, split, first), (split, tokens, fixed_tokens - first)]
-
-
 def _wait(works: list) -> None:
     for work in works:
-        if work is not None:
+        if work is not None:  # the benchmark's local copy returns none
             work.wait()
 
 
