@@ -23,10 +23,6 @@ PREFILL_TOKENS, V3_PREFILL_TOKENS = (1024, 2048, 4096, 8192), (4096, 16384)
 # (block_m, block_n, warps, stages) of pdserve.ops.gemm_triton.GemmTiles
 TILE_SWEEP = ((128, 128, 8, 4), (128, 128, 4, 4), (128, 128, 8, 3), (128, 256, 8, 3), (128, 256, 8, 4),
               (256, 128, 8, 3), (64, 256, 4, 4), (128, 64, 4, 4))
-# FP8 with the scales folded into the accumulator (GemmTiles.fold_scales): one tile of registers fewer, so larger
-# tiles may fit
-FOLDED_SWEEP = ((128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4), (128, 256, 8, 3), (128, 256, 8, 4),
-                (256, 128, 8, 3), (128, 64, 4, 4))
 
 
 def routed_rows(tokens: int, num_experts: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -55,12 +51,11 @@ def sweep_line(name: str, tokens: int, rows: int, kernel: str, flops: float, cub
 def prefill_sweep(device: torch.device, bf16: bool = True) -> None:
     """bf16 V2-Lite experts (unless `bf16` is off) and FP8 V3 EP8 experts at prefill sizes: cuBLAS (with and without
     the row gather the MoE layer needs before it) against the Triton kernel at its default tiling and at each tiling
-    of TILE_SWEEP (and, FP8, FOLDED_SWEEP)."""
+    of TILE_SWEEP."""
     from pdserve.ops.fp8_gemm import block_fp8_grouped_linear_reference
     from pdserve.ops.gemm_triton import GemmTiles, bf16_grouped_gemm, fp8_gemm, quantize_rows, tiles_for
 
     sweep = tuple(GemmTiles(*tiles) for tiles in TILE_SWEEP)
-    fp8_sweep = sweep + tuple(GemmTiles(*tiles, fold_scales=True) for tiles in FOLDED_SWEEP)
 
     print(f"device: {torch.cuda.get_device_name(device)}; tiles: block_m x block_n / warps / stages")
     print("| GEMM | tokens | rows | kernel | us | TFLOP/s | vs cuBLAS with gather | rel err |")
@@ -97,12 +92,11 @@ def prefill_sweep(device: torch.device, bf16: bool = True) -> None:
             cublas_us = sweep_line(name, tokens, rows, "bf16 cuBLAS + gather", flops, None,
                                    lambda: torch._grouped_mm(x[row_index], bf16_weight, offs=ends), ref, device)
             default = tiles_for(rows / shape[0])
-            for tiles in (default,) + tuple(t for t in fp8_sweep if t != default):
+            for tiles in (default,) + tuple(t for t in sweep if t != default):
                 def fp8(tiles=tiles) -> torch.Tensor:
                     q, scales = quantize_rows(x, 128)
                     return fp8_gemm(q, scales, weight, rows=rows, group_ends=ends, row_index=row_index, tiles=tiles)
-                label = (f"FP8 Triton {tiles.block_m}x{tiles.block_n}/{tiles.warps}/{tiles.stages}"
-                         + (" folded" if tiles.fold_scales else ""))
+                label = f"FP8 Triton {tiles.block_m}x{tiles.block_n}/{tiles.warps}/{tiles.stages}"
                 sweep_line(name, tokens, rows, label + (" (default)" if tiles == default else ""), flops, cublas_us,
                            fp8, ref, device)
 

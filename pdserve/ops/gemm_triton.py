@@ -64,7 +64,7 @@ def _grouped_gemm_kernel(
     out_row_stride,
     SCALED: tl.constexpr, SINGLE_GROUP: tl.constexpr, GATHER: tl.constexpr, GROUPS_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WEIGHT_BLOCK_N: tl.constexpr,
-    SWIZZLE: tl.constexpr, EVEN_K: tl.constexpr, FOLD_SCALES: tl.constexpr,
+    SWIZZLE: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(n, BLOCK_N)
@@ -112,9 +112,6 @@ def _grouped_gemm_kernel(
     w_scale_ptrs = w_scale_ptr + w_scale_offset + (cols // WEIGHT_BLOCK_N) * w_scale_row_stride
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # FOLD_SCALES keeps acc in units of the current K block's scales (see GemmTiles.fold_scales)
-    held_a_scale = tl.full((BLOCK_M,), 1.0, tl.float32)
-    held_w_scale = tl.full((BLOCK_N,), 1.0, tl.float32)
     for kb in range(0, tl.cdiv(k, BLOCK_K)):
         if EVEN_K:  # no mask along K, the loads' contiguous dimension, so they stay vectorized
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
@@ -123,12 +120,7 @@ def _grouped_gemm_kernel(
             k_ok = ks < k - kb * BLOCK_K
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if SCALED and FOLD_SCALES:
-            a_scale = tl.load(a_scale_ptrs + kb * a_scale_group_stride, mask=row_ok, other=1.0)
-            w_scale = tl.load(w_scale_ptrs + kb, mask=col_ok, other=1.0)
-            acc = tl.dot(a, w, acc * ((held_a_scale / a_scale)[:, None] * (held_w_scale / w_scale)[None, :]))
-            held_a_scale, held_w_scale = a_scale, w_scale
-        elif SCALED:
+        if SCALED:
             a_scale = tl.load(a_scale_ptrs + kb * a_scale_group_stride, mask=row_ok, other=0.0)
             w_scale = tl.load(w_scale_ptrs + kb, mask=col_ok, other=0.0)
             acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
@@ -136,8 +128,6 @@ def _grouped_gemm_kernel(
             acc += tl.dot(a, w)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if SCALED and FOLD_SCALES:
-        acc = acc * (held_a_scale[:, None] * held_w_scale[None, :])
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * out_row_stride + cols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -150,10 +140,6 @@ class GemmTiles:
     block_n: int
     warps: int
     stages: int = 4
-    # FP8: scale the accumulator into each K block's units and let the tensor cores add the block's product to it
-    # (acc = dot(a, w, acc * old / new)), instead of a product tile of its own scaled and added, which holds a second
-    # tile of registers
-    fold_scales: bool = False
 
 
 def tiles_for(rows_per_group: float) -> GemmTiles:
@@ -232,8 +218,7 @@ def _grouped_gemm(a: torch.Tensor, values: torch.Tensor, rows: int, group_ends: 
         SCALED=fp8_scales is not None, SINGLE_GROUP=single, GATHER=row_index is not None,
         GROUPS_POW2=max(2, triton.next_power_of_2(num_groups)),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, WEIGHT_BLOCK_N=weight_block_n,
-        SWIZZLE=SWIZZLE_M, EVEN_K=k % block_k == 0, FOLD_SCALES=tiles.fold_scales, num_warps=tiles.warps,
-        num_stages=tiles.stages,
+        SWIZZLE=SWIZZLE_M, EVEN_K=k % block_k == 0, num_warps=tiles.warps, num_stages=tiles.stages,
     )
     return out
 
