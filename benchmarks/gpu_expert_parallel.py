@@ -54,10 +54,18 @@ class LocalCopyExchange(ExpertParallelMoE):
     as a real exchange (received expert ids mapped onto this rank's experts, so its GEMMs get as many rows), and no
     transfer. Its step time is the step's compute alone."""
 
-    def _all_to_all(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
+    def _all_to_all(self, out: torch.Tensor, tensor: torch.Tensor) -> "CopyDone":
         if tensor.dtype == torch.int64:  # expert ids: -1 stays padding, the rest land on this rank's experts
             tensor = torch.where(tensor >= 0, tensor % self.experts_per_rank + self.first_expert, tensor)
         out.copy_(tensor)
+        return CopyDone()
+
+
+class CopyDone:
+    """A local copy's stand-in for a collective's Work: queued on the step's stream, nothing to wait for."""
+
+    def wait(self) -> None:
+        pass
 
 
 def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, results) -> None:

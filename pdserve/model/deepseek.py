@@ -467,7 +467,8 @@ class DeepseekForCausalLM(nn.Module):
             if isinstance(module, (RoutedExperts, FP8RoutedExperts)):
                 routed = module.experts.count  # experts of one shape: the routed ones' share is exact
                 held = sum(p.numel() * p.element_size() for p in module.parameters())
-                total += held * routed // (routed + getattr(module, "stacked_shared", 0))
+                stacked = module.stacked_shared if isinstance(module, RoutedExperts) else 0
+                total += held * routed // (routed + stacked)
         return total
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -178,7 +178,7 @@ class ExpertParallelMoE:
         combine_started = self._clock()
         back = x.new_empty(send_x.shape)
         dist.all_to_all_single(back, expert_out, send_split, recv_split, group=self.group)
-        self._count(started, combine_started - dispatched, int(send_x.shape[0]))
+        self._count(started, dispatched, combine_started, int(send_x.shape[0]))
 
         per_pair = torch.empty_like(back)
         per_pair[order] = back
@@ -215,7 +215,7 @@ class ExpertParallelMoE:
         combine_started = self._clock()
         back = x.new_zeros(rows + 1, x.shape[1])  # the spare row stays zero: a dropped pair reads it
         _wait([self._all_to_all(back[:rows], expert_out)])
-        self._count(started, combine_started - dispatched, num_pairs)
+        self._count(started, dispatched, combine_started, num_pairs)
         self.exchange.fixed_calls += 1
         return work.combine(back, order, slot, topk_ids, topk_weights), beside_out
 
@@ -228,10 +228,10 @@ class ExpertParallelMoE:
         """With sync_timing the exchange is timed alone, so `beside` runs before it instead of during it."""
         return beside() if beside is not None and self.sync_timing else None
 
-    def _count(self, started: float, computing: float, sent_rows: int) -> None:
-        """One exchange since `started`, less `computing` seconds of expert work inside it."""
+    def _count(self, started: float, dispatched: float, combine_started: float, sent_rows: int) -> None:
+        finished = self._clock()
         self.exchange.calls += 1
-        self.exchange.seconds += self._clock() - started - computing
+        self.exchange.seconds += (dispatched - started) + (finished - combine_started)
         self.exchange.sent_rows += sent_rows
 
     def _clock(self) -> float:
@@ -240,10 +240,9 @@ class ExpertParallelMoE:
         return time.perf_counter()
 
 
-def _wait(works: list) -> None:
+def _wait(works: list[dist.Work]) -> None:
     for work in works:
-        if work is not None:  # the benchmark's local copy returns none
-            work.wait()
+        work.wait()
 
 
 def place_pairs(x: torch.Tensor, topk_ids: torch.Tensor, experts_per_rank: int, world_size: int, capacity: int):
