@@ -9,6 +9,13 @@ experts of one EP8 rank at 4k-16k tokens, in TFLOP/s, cuBLAS against the Triton 
     python benchmarks/gpu_grouped_gemm.py                 # tokens 1..512
     python benchmarks/gpu_grouped_gemm.py --prefill       # tokens 1k..16k, tilings swept
     python benchmarks/gpu_grouped_gemm.py --sort          # the experts' sort of routed rows: counting vs radix
+    python benchmarks/gpu_grouped_gemm.py --prefill --fp8-only --v3-tokens 16384 --tiles 64x128/4/3 --diagnose
+
+FP8 lines: first the path GroupedMoE takes (block_fp8_grouped_linear: at these sizes the rows gathered while they are
+quantized, then the TMA kernel), then the pointer kernel (gathering rows inside) at each tiling of the sweep.
+`--diagnose` adds, for each tiling, the pointer kernel on rows gathered beforehand (what the in-kernel gather costs)
+and without the per-block scale step (what applying the scales costs; its output is not a product, so no error is
+printed), and the quantization with its gather alone.
 """
 
 import argparse
@@ -21,8 +28,7 @@ V2_LITE_EXPERTS = {"w13 2048->2x1408": (64, 2816, 2048), "w2 1408->2048": (64, 2
 TOP_K = 6
 PREFILL_TOKENS, V3_PREFILL_TOKENS = (1024, 2048, 4096, 8192), (4096, 16384)
 # (block_m, block_n, warps, stages) of pdserve.ops.gemm_triton.GemmTiles
-TILE_SWEEP = ((128, 128, 8, 4), (128, 128, 4, 4), (128, 128, 8, 3), (128, 256, 8, 3), (128, 256, 8, 4),
-              (256, 128, 8, 3), (64, 256, 4, 4), (128, 64, 4, 4))
+TILE_SWEEP = ((64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 4, 3), (128, 256, 8, 3))
 
 
 def routed_rows(tokens: int, num_experts: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -35,27 +41,39 @@ def routed_rows(tokens: int, num_experts: int, device) -> tuple[torch.Tensor, to
 
 
 def sweep_line(name: str, tokens: int, rows: int, kernel: str, flops: float, cublas_us: float | None,
-               run, ref: torch.Tensor, device: torch.device) -> float:
-    """One kernel's line of the prefill table (`cublas_us` None: this is the cuBLAS line); returns its time. A tiling
-    that does not fit the SM's shared memory prints as such."""
+               run, ref: torch.Tensor | None, device: torch.device) -> float:
+    """One kernel's line of the prefill table (`cublas_us` None: this is the cuBLAS line; `ref` None: no error, the
+    output is not the product); returns its time. A tiling that does not fit the SM's shared memory prints as such."""
     try:
         us = time_ms(run, device) * 1e3
     except Exception as error:  # triton's OutOfResources and kin: the tiling is not launchable on this GPU
         print(f"| {name} | {tokens} | {rows} | {kernel} | - | - | - | {type(error).__name__} |", flush=True)
         return float("nan")
+    error = "-" if ref is None else f"{errors(run(), ref)[0]:.1e}"
     print(f"| {name} | {tokens} | {rows} | {kernel} | {us:.1f} | {flops / us / 1e6:.0f} | "
-          f"{(cublas_us or us) / us:.2f}x | {errors(run(), ref)[0]:.1e} |", flush=True)
+          f"{(cublas_us or us) / us:.2f}x | {error} |", flush=True)
     return us
 
 
-def prefill_sweep(device: torch.device, bf16: bool = True) -> None:
-    """bf16 V2-Lite experts (unless `bf16` is off) and FP8 V3 EP8 experts at prefill sizes: cuBLAS (with and without
-    the row gather the MoE layer needs before it) against the Triton kernel at its default tiling and at each tiling
-    of TILE_SWEEP."""
-    from pdserve.ops.fp8_gemm import block_fp8_grouped_linear_reference
-    from pdserve.ops.gemm_triton import GemmTiles, bf16_grouped_gemm, fp8_gemm, quantize_rows, tiles_for
+def parse_tiles(text: str) -> tuple[tuple[int, int, int, int], ...]:
+    """"64x128/4/3,128x128/8/3" -> ((64, 128, 4, 3), (128, 128, 8, 3))."""
+    tilings = []
+    for item in text.split(","):
+        size, warps, stages = item.split("/")
+        block_m, block_n = size.split("x")
+        tilings.append((int(block_m), int(block_n), int(warps), int(stages)))
+    return tuple(tilings)
 
-    sweep = tuple(GemmTiles(*tiles) for tiles in TILE_SWEEP)
+
+def prefill_sweep(device: torch.device, bf16: bool = True, tilings: tuple[tuple[int, int, int, int], ...] = TILE_SWEEP,
+                  v3_tokens: tuple[int, ...] = V3_PREFILL_TOKENS, diagnose: bool = False) -> None:
+    """bf16 V2-Lite experts (unless `bf16` is off) and FP8 V3 EP8 experts at prefill sizes: cuBLAS (with and without
+    the row gather the MoE layer needs before it) against the Triton kernels: bf16 at its default tiling and each of
+    `tilings`; FP8 as served, then the pointer kernel at each of `tilings` (`diagnose`: see the module's notes)."""
+    from pdserve.ops.fp8_gemm import block_fp8_grouped_linear_reference, block_fp8_grouped_linear_triton
+    from pdserve.ops.gemm_triton import GemmTiles, _grouped_gemm, bf16_grouped_gemm, fp8_gemm, quantize_rows, tiles_for
+
+    sweep = tuple(GemmTiles(*tiles) for tiles in tilings)
 
     print(f"device: {torch.cuda.get_device_name(device)}; tiles: block_m x block_n / warps / stages")
     print("| GEMM | tokens | rows | kernel | us | TFLOP/s | vs cuBLAS with gather | rel err |")
@@ -83,7 +101,7 @@ def prefill_sweep(device: torch.device, bf16: bool = True) -> None:
     for name, shape in V3_EXPERTS.items():
         weight = random_fp8(shape, device, seed=shape[1])
         bf16_weight = weight.dequantize(torch.bfloat16).transpose(1, 2)
-        for tokens in V3_PREFILL_TOKENS:
+        for tokens in v3_tokens:
             x = torch.randn(tokens, shape[2], device=device).to(torch.bfloat16)
             row_index, ends = expert_rows(tokens, shape[0], device)
             rows = row_index.numel()
@@ -91,14 +109,27 @@ def prefill_sweep(device: torch.device, bf16: bool = True) -> None:
             ref = block_fp8_grouped_linear_reference(x.float(), weight, ends, row_index)
             cublas_us = sweep_line(name, tokens, rows, "bf16 cuBLAS + gather", flops, None,
                                    lambda: torch._grouped_mm(x[row_index], bf16_weight, offs=ends), ref, device)
-            default = tiles_for(rows / shape[0])
-            for tiles in (default,) + tuple(t for t in sweep if t != default):
+            sweep_line(name, tokens, rows, "FP8 as served (quantize + gather, then the TMA kernel)", flops, cublas_us,
+                       lambda: block_fp8_grouped_linear_triton(x, weight, ends, row_index), ref, device)
+            for tiles in sweep:  # the pointer kernel, gathering inside
                 def fp8(tiles=tiles) -> torch.Tensor:
                     q, scales = quantize_rows(x, 128)
                     return fp8_gemm(q, scales, weight, rows=rows, group_ends=ends, row_index=row_index, tiles=tiles)
-                label = f"FP8 Triton {tiles.block_m}x{tiles.block_n}/{tiles.warps}/{tiles.stages}"
-                sweep_line(name, tokens, rows, label + (" (default)" if tiles == default else ""), flops, cublas_us,
-                           fp8, ref, device)
+                label = f"FP8 pointer kernel {tiles.block_m}x{tiles.block_n}/{tiles.warps}/{tiles.stages}"
+                sweep_line(name, tokens, rows, label, flops, cublas_us, fp8, ref, device)
+                if not diagnose:
+                    continue
+                gathered_q, gathered_scales = quantize_rows(x, 128, row_index=row_index)
+                sweep_line(name, tokens, rows, label + ", rows gathered before", flops, cublas_us,
+                           lambda tiles=tiles: fp8_gemm(gathered_q, gathered_scales, weight, rows=rows, group_ends=ends,
+                                                        tiles=tiles), ref, device)
+                q, _ = quantize_rows(x, 128)
+                sweep_line(name, tokens, rows, label + ", no scale step", flops, cublas_us,
+                           lambda tiles=tiles: _grouped_gemm(q, weight.values, rows, ends, row_index, torch.bfloat16,
+                                                             128, None, tiles), None, device)
+            if diagnose:
+                sweep_line(name, tokens, rows, "quantize_rows with the gather, alone", flops, cublas_us,
+                           lambda: quantize_rows(x, 128, row_index=row_index)[0], None, device)
 
 
 def sort_times(device: torch.device) -> None:
@@ -130,11 +161,18 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,512")
     parser.add_argument("--prefill", action="store_true", help="prefill sizes, tilings swept (TFLOP/s)")
     parser.add_argument("--fp8-only", action="store_true", help="--prefill: the FP8 V3 experts alone")
+    parser.add_argument("--tiles", type=parse_tiles, default=TILE_SWEEP,
+                        help="--prefill: tilings swept, as block_m x block_n / warps / stages, comma-separated")
+    parser.add_argument("--v3-tokens", default=",".join(map(str, V3_PREFILL_TOKENS)),
+                        help="--prefill: tokens of the FP8 V3 expert GEMMs")
+    parser.add_argument("--diagnose", action="store_true",
+                        help="--prefill: FP8 also with rows gathered before, without the scale step, and quantizing alone")
     parser.add_argument("--sort", action="store_true", help="the routed rows' sort: counting against radix")
     args = parser.parse_args()
     device = torch.device("cuda")
     if args.prefill:
-        prefill_sweep(device, bf16=not args.fp8_only)
+        prefill_sweep(device, bf16=not args.fp8_only, tilings=args.tiles,
+                      v3_tokens=tuple(int(t) for t in args.v3_tokens.split(",")), diagnose=args.diagnose)
         return
     if args.sort:
         sort_times(device)

@@ -93,11 +93,21 @@ def block_fp8_grouped_linear(x: torch.Tensor, weight: BlockFP8Weight, group_ends
     group_ends int32 on x's device. Rows past the last end are left unset (GroupedMoE sorts foreign slots there)."""
     if not uses_fp8_kernels(x):
         return block_fp8_grouped_linear_reference(x, weight, group_ends, row_index)
-    from pdserve.ops.gemm_triton import fp8_gemm, quantize_rows
+    return block_fp8_grouped_linear_triton(x, weight, group_ends, row_index)
 
-    # Each token is quantized once, before its rows are gathered (one per routed slot) inside the GEMM.
-    q, scales = quantize_rows(x, weight.block_size[1])
+
+def block_fp8_grouped_linear_triton(x: torch.Tensor, weight: BlockFP8Weight, group_ends: torch.Tensor,
+                                    row_index: torch.Tensor | None = None) -> torch.Tensor:
+    """block_fp8_grouped_linear's kernels: x bf16 on CUDA (or CPU tensors in Triton's interpreter)."""
+    from pdserve.ops.gemm_triton import fp8_gemm, quantize_rows, tma_takes
+
     rows = x.shape[0] if row_index is None else row_index.numel()
+    if tma_takes(weight, rows, x.device):
+        # Prefill sizes: the rows gathered as they are quantized, so the GEMM loads whole tiles by TMA.
+        q, scales = quantize_rows(x, weight.block_size[1], row_index=row_index)
+        return fp8_gemm(q, scales, weight, rows=rows, group_ends=group_ends)
+    # Decode sizes: each token quantized once, its rows gathered (one per routed slot) inside the GEMM.
+    q, scales = quantize_rows(x, weight.block_size[1])
     return fp8_gemm(q, scales, weight, rows=rows, group_ends=group_ends, row_index=row_index)
 
 

@@ -5,13 +5,19 @@ The GEMM walks K one block at a time: each step is a tensor-core product of a [r
 [BLOCK_K, cols] weight tile, accumulated in float32; in FP8 after multiplying by the rows' activation scales and the
 columns' weight-block scales (the scales change along K, so they cannot wait for the epilogue). The bf16 form serves
 decode-sized expert batches, a few rows per expert, where the GEMM is a read of the chosen experts' weights.
+
+Two kernels: one loads its tiles through pointers and can gather each row by index (any GPU, any shape); the other,
+for block-FP8 experts at prefill sizes on Hopper, takes rows already gathered and sorted by expert and loads both
+operands with TMA descriptors (quantize_rows() gathers the rows as it quantizes them).
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pdserve.ops.block_fp8 import FP8_DTYPE, FP8_MAX, BlockFP8Weight
 
@@ -22,13 +28,19 @@ BF16_BLOCK_K = 64
 
 # Row counts change with every batch: `do_not_specialize` keeps Triton from compiling a variant per their divisibility.
 @triton.jit(do_not_specialize=["rows", "padded_rows"])
-def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, rows, padded_rows, cols, x_row_stride, scale_group_stride,
-                          GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, FP8_LIMIT: tl.constexpr):
+def _quantize_rows_kernel(x_ptr, row_index_ptr, q_ptr, scale_ptr, rows, padded_rows, cols, x_row_stride,
+                          scale_group_stride, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, FP8_LIMIT: tl.constexpr,
+                          GATHER: tl.constexpr):
     r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     c = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
     col_ok = c < cols
-    x = tl.load(x_ptr + r[:, None].to(tl.int64) * x_row_stride + c[None, :],
-                mask=(r < rows)[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    row_ok = r < rows
+    if GATHER:
+        source = tl.load(row_index_ptr + r, mask=row_ok, other=0).to(tl.int64)
+    else:
+        source = r.to(tl.int64)
+    x = tl.load(x_ptr + source[:, None] * x_row_stride + c[None, :],
+                mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
     scale = tl.where(amax > 0, amax / FP8_LIMIT, 1.0)  # a zero group: any positive scale is exact
     q = tl.minimum(tl.maximum(x / scale[:, None], -FP8_LIMIT), FP8_LIMIT)
@@ -38,22 +50,53 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, rows, padded_rows, cols, x_ro
     tl.store(scale_ptr + tl.program_id(1) * scale_group_stride + r, scale, mask=in_buffer)
 
 
-def quantize_rows(x: torch.Tensor, group: int, pad_rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, group: int, pad_rows_to: int = 1,
+                  row_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (FP8 [M', K], float32 scales [ceil(K / group), M']): one scale per row per `group` columns, the
     group's largest magnitude mapped to the FP8 maximum. M' is M rounded up to `pad_rows_to`. Scales are stored
-    group-major, which is both what cuBLAS takes for 1 x 128 scaling and a contiguous load for a tile of rows."""
+    group-major, which is both what cuBLAS takes for 1 x 128 scaling and a contiguous load for a tile of rows.
+    With `row_index`, row i of the result is x[row_index[i]] quantized (M = row_index's length)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    rows, cols = x.shape
+    rows, cols = (x.shape[0] if row_index is None else row_index.numel()), x.shape[1]
     padded_rows = -(-rows // pad_rows_to) * pad_rows_to
     groups = -(-cols // group)
     q = torch.empty(padded_rows, cols, dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty(groups, padded_rows, dtype=torch.float32, device=x.device)
     if padded_rows and cols:
         grid = (triton.cdiv(padded_rows, QUANTIZE_ROWS_PER_PROGRAM), groups)
-        _quantize_rows_kernel[grid](x, q, scales, rows, padded_rows, cols, x.stride(0), scales.stride(0),
-                                    GROUP=group, BLOCK_ROWS=QUANTIZE_ROWS_PER_PROGRAM, FP8_LIMIT=FP8_MAX)
+        _quantize_rows_kernel[grid](x, row_index if row_index is not None else x, q, scales, rows, padded_rows, cols,
+                                    x.stride(0), scales.stride(0), GROUP=group, BLOCK_ROWS=QUANTIZE_ROWS_PER_PROGRAM,
+                                    FP8_LIMIT=FP8_MAX, GATHER=row_index is not None)
     return q, scales
+
+
+@triton.jit
+def _swizzled_tile(m_tiles, n, BLOCK_N: tl.constexpr, SWIZZLE: tl.constexpr):
+    """This program's (m-tile, n-tile): SWIZZLE m-tiles walked down one column of n-tiles before moving right."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(n, BLOCK_N)
+    band = pid // (SWIZZLE * n_tiles)
+    band_height = tl.minimum(m_tiles - band * SWIZZLE, SWIZZLE)
+    in_band = pid % (SWIZZLE * n_tiles)
+    return band * SWIZZLE + in_band % band_height, in_band // band_height
+
+
+@triton.jit
+def _group_of_tile(m_tile, group_ends_ptr, num_groups, GROUPS_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(group, first row, the group's row end) of an m-tile; group == num_groups for a spare program. m-tiles are
+    numbered group after group (each group's rows split into ceil(rows / BLOCK_M) tiles); the launch has room for the
+    most tiles any split of the rows can need."""
+    g = tl.arange(0, GROUPS_POW2)
+    ends = tl.load(group_ends_ptr + g, mask=g < num_groups, other=0)
+    starts = tl.load(group_ends_ptr + g - 1, mask=(g > 0) & (g < num_groups), other=0)
+    tiles = tl.cdiv(ends - starts, BLOCK_M)
+    tile_ends = tl.cumsum(tiles, axis=0)
+    group = tl.sum((tile_ends <= m_tile).to(tl.int32), axis=0)
+    mine = g == group
+    group_first_tile = tl.sum(tl.where(mine, tile_ends - tiles, 0), axis=0)
+    first_row = tl.sum(tl.where(mine, starts, 0), axis=0) + (m_tile - group_first_tile) * BLOCK_M
+    return group, first_row, tl.sum(tl.where(mine, ends, 0), axis=0)
 
 
 @triton.jit(do_not_specialize=["total_rows", "m_tiles"])
@@ -66,34 +109,16 @@ def _grouped_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WEIGHT_BLOCK_N: tl.constexpr,
     SWIZZLE: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(n, BLOCK_N)
-    band = pid // (SWIZZLE * n_tiles)
-    band_height = tl.minimum(m_tiles - band * SWIZZLE, SWIZZLE)
-    in_band = pid % (SWIZZLE * n_tiles)
-    m_tile = band * SWIZZLE + in_band % band_height
-    n_tile = in_band // band_height
-
+    m_tile, n_tile = _swizzled_tile(m_tiles, n, BLOCK_N, SWIZZLE)
     if SINGLE_GROUP:
         first_row = m_tile * BLOCK_M
         row_end = total_rows
         w_offset = 0
         w_scale_offset = 0
     else:
-        # m-tiles are numbered group after group (each group's rows split into ceil(rows / BLOCK_M) tiles); the
-        # launch has room for the most tiles any split of the rows can need, and spare programs leave at once.
-        g = tl.arange(0, GROUPS_POW2)
-        ends = tl.load(group_ends_ptr + g, mask=g < num_groups, other=0)
-        starts = tl.load(group_ends_ptr + g - 1, mask=(g > 0) & (g < num_groups), other=0)
-        tiles = tl.cdiv(ends - starts, BLOCK_M)
-        tile_ends = tl.cumsum(tiles, axis=0)
-        group = tl.sum((tile_ends <= m_tile).to(tl.int32), axis=0)
+        group, first_row, row_end = _group_of_tile(m_tile, group_ends_ptr, num_groups, GROUPS_POW2, BLOCK_M)
         if group >= num_groups:
             return
-        mine = g == group
-        group_first_tile = tl.sum(tl.where(mine, tile_ends - tiles, 0), axis=0)
-        first_row = tl.sum(tl.where(mine, starts, 0), axis=0) + (m_tile - group_first_tile) * BLOCK_M
-        row_end = tl.sum(tl.where(mine, ends, 0), axis=0)
         w_offset = group.to(tl.int64) * w_group_stride
         w_scale_offset = group.to(tl.int64) * w_scale_group_stride
 
@@ -109,7 +134,13 @@ def _grouped_gemm_kernel(
     a_ptrs = a_ptr + source_rows[:, None] * a_row_stride + ks[None, :]
     w_ptrs = w_ptr + w_offset + cols[None, :].to(tl.int64) * w_row_stride + ks[:, None]
     a_scale_ptrs = a_scale_ptr + source_rows
-    w_scale_ptrs = w_scale_ptr + w_scale_offset + (cols // WEIGHT_BLOCK_N) * w_scale_row_stride
+    # A tile inside one weight block along N has one weight scale per K block: the scales fold into one per-row
+    # factor and one FMA per product element.
+    ONE_W_SCALE: tl.constexpr = WEIGHT_BLOCK_N % BLOCK_N == 0
+    if ONE_W_SCALE:
+        w_scale_ptrs = w_scale_ptr + w_scale_offset + (n_tile * BLOCK_N // WEIGHT_BLOCK_N) * w_scale_row_stride
+    else:
+        w_scale_ptrs = w_scale_ptr + w_scale_offset + (cols // WEIGHT_BLOCK_N) * w_scale_row_stride
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(k, BLOCK_K)):
@@ -122,14 +153,47 @@ def _grouped_gemm_kernel(
             w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if SCALED:
             a_scale = tl.load(a_scale_ptrs + kb * a_scale_group_stride, mask=row_ok, other=0.0)
-            w_scale = tl.load(w_scale_ptrs + kb, mask=col_ok, other=0.0)
-            acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
+            if ONE_W_SCALE:
+                acc = tl.fma(tl.dot(a, w), (a_scale * tl.load(w_scale_ptrs + kb))[:, None], acc)
+            else:
+                w_scale = tl.load(w_scale_ptrs + kb, mask=col_ok, other=0.0)
+                acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
         else:
             acc += tl.dot(a, w)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * out_row_stride + cols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["m_tiles"])
+def _grouped_fp8_gemm_tma_kernel(
+    a_desc, a_scale_ptr, w_desc, w_scale_ptr, out_ptr, group_ends_ptr, n, k, num_groups, m_tiles,
+    a_scale_group_stride, w_scale_group_stride, w_scale_row_stride, out_row_stride,
+    GROUPS_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SWIZZLE: tl.constexpr, STAGES: tl.constexpr,
+):
+    """Block-FP8 rows sorted by group (contiguous, no index), weights [groups * n, k]; BLOCK_N = the weight block's
+    rows, BLOCK_K its columns, so each K step has one weight scale. A tile's TMA box may run into the next group's
+    rows (computed, not stored) or past the last row (zeros)."""
+    m_tile, n_tile = _swizzled_tile(m_tiles, n, BLOCK_N, SWIZZLE)
+    group, first_row, row_end = _group_of_tile(m_tile, group_ends_ptr, num_groups, GROUPS_POW2, BLOCK_M)
+    if group >= num_groups:
+        return
+    rows = first_row + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_end
+    w_row = group * n + n_tile * BLOCK_N
+    a_scale_ptrs = a_scale_ptr + rows
+    w_scale_ptrs = w_scale_ptr + group.to(tl.int64) * w_scale_group_stride + n_tile * w_scale_row_stride
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in tl.range(0, tl.cdiv(k, BLOCK_K), num_stages=STAGES):
+        a = a_desc.load([first_row, kb * BLOCK_K])
+        w = w_desc.load([w_row, kb * BLOCK_K])
+        scale = tl.load(a_scale_ptrs + kb * a_scale_group_stride, mask=row_ok, other=0.0) * tl.load(w_scale_ptrs + kb)
+        acc = tl.fma(tl.dot(a, w.T), scale[:, None], acc)
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * out_row_stride + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < n)[None, :])
 
 
 @dataclass(frozen=True)
@@ -144,16 +208,33 @@ class GemmTiles:
 
 def tiles_for(rows_per_group: float) -> GemmTiles:
     """Tiles for groups of about this many rows: small where rows are few (decode, where the weights' bytes are the
-    cost and more column tiles keep more SMs reading), 128 x 128 where the GEMM is compute-bound; there 3 stages
-    beat 4 at every prefill size swept on an H100 (FP8 16k rows 0.85 -> 0.94x of bf16 cuBLAS; benchmarks/
-    gpu_grouped_gemm.py --prefill)."""
+    cost and more column tiles keep more SMs reading), 64 x 128 over 4 warps and 3 stages where the GEMM is
+    compute-bound: swept on an H100 at V3's expert shapes, it matched or beat 128 x 128 over 8 warps with either
+    kernel (benchmarks/gpu_grouped_gemm.py --prefill; docs/benchmarks.md), and several of its programs share an SM,
+    so one's MMAs run while another applies its scales."""
     if rows_per_group <= 16:
         return GemmTiles(16, 64, 4)
     if rows_per_group <= 32:
         return GemmTiles(32, 64, 4)
     if rows_per_group <= 64:
         return GemmTiles(64, 128, 4)
-    return GemmTiles(128, 128, 8, stages=3)
+    return GemmTiles(64, 128, 4, stages=3)
+
+
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    """Hopper and newer; on the CPU, Triton's interpreter (the only way Triton kernels run there) emulates TMA."""
+    return device.type == "cpu" or torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def tma_takes(weight: BlockFP8Weight, rows: int, device: torch.device) -> bool:
+    """Whether a grouped product of `rows` rows sorted by group takes the TMA kernel: its tiles (tiles_for) as wide
+    as a weight block, so each K step has one weight scale; whole K blocks; stacked weights contiguous (a 2-D
+    descriptor over them); a GPU with TMA. Its rows must be gathered beforehand (quantize_rows(row_index=...))."""
+    values = weight.values
+    groups, n, k = values.shape if values.dim() == 3 else (0, 0, 0)
+    return (groups > 0 and tiles_for(rows / groups).block_n == weight.block_size[0] and k % weight.block_size[1] == 0
+            and values.is_contiguous() and _has_tma(device))
 
 
 def fp8_gemm(q: torch.Tensor, scales: torch.Tensor, weight: BlockFP8Weight, rows: int,
@@ -171,8 +252,40 @@ def fp8_gemm(q: torch.Tensor, scales: torch.Tensor, weight: BlockFP8Weight, rows
         raise ValueError("FP8 weights must be contiguous along K, with a contiguous scale grid")
     if block_k & (block_k - 1):
         raise ValueError(f"the Triton FP8 GEMM takes K blocks of a power of two, got {block_k}")
+    if group_ends is not None and row_index is None and tiles is None and out_dtype == torch.bfloat16 and \
+            tma_takes(weight, rows, q.device):
+        return grouped_fp8_gemm_tma(q[:rows], scales, values, scale_inv, group_ends, block_k)
     return _grouped_gemm(q, values, rows, group_ends, row_index, out_dtype, block_k,
                          (scales, scale_inv, weight.block_size[0]), tiles)
+
+
+# An operator of its own: torch.compile takes the launch (host-side TMA descriptors) as one opaque call.
+@torch.library.custom_op("pdserve::grouped_fp8_gemm_tma", mutates_args=())
+def grouped_fp8_gemm_tma(q: torch.Tensor, scales: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor,
+                         group_ends: torch.Tensor, block_k: int) -> torch.Tensor:
+    """q [rows, K] FP8 sorted by group and its quantize_rows() scales, values [groups, N, K] and their scale grid of
+    (tile width) x block_k blocks, as tma_takes() allows -> [rows, N] bf16."""
+    rows, k = q.shape
+    groups, n, _ = values.shape
+    out = torch.empty(rows, n, dtype=torch.bfloat16, device=q.device)
+    if rows == 0:
+        return out
+    tiles = tiles_for(rows / groups)
+    a_desc = TensorDescriptor.from_tensor(q, [tiles.block_m, block_k])
+    w_desc = TensorDescriptor.from_tensor(values.view(groups * n, k), [tiles.block_n, block_k])
+    m_tiles = rows // tiles.block_m + min(groups, rows)
+    _grouped_fp8_gemm_tma_kernel[(m_tiles * triton.cdiv(n, tiles.block_n),)](
+        a_desc, scales, w_desc, scale_inv, out, group_ends, n, k, groups, m_tiles,
+        scales.stride(0), scale_inv.stride(0), scale_inv.stride(1), out.stride(0),
+        GROUPS_POW2=max(2, triton.next_power_of_2(groups)), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k,
+        SWIZZLE=SWIZZLE_M, STAGES=tiles.stages, num_warps=tiles.warps,
+    )
+    return out
+
+
+@grouped_fp8_gemm_tma.register_fake
+def _(q, scales, values, scale_inv, group_ends, block_k):
+    return q.new_empty(q.shape[0], values.shape[1], dtype=torch.bfloat16)
 
 
 def bf16_grouped_gemm(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor,

@@ -106,6 +106,17 @@ def test_quantize_rows_matches_torch_block_quantization(device):
     assert mismatched < 1e-3  # division rounding may flip a code at a rounding boundary, no more
 
 
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_quantize_rows_gathers_by_index(device):
+    from pdserve.ops.gemm_triton import quantize_rows
+
+    x = random_activations(37, 300, device)
+    row_index = torch.tensor([5, 0, 36, 5, 12, 7, 7, 30], device=device)
+    q, scales = quantize_rows(x, 128, row_index=row_index)
+    ref_q, ref_scales = quantize_rows(x[row_index], 128)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scales, ref_scales)
+
+
 def kernel_shapes(device: str) -> list[tuple[int, int]]:
     """(out, in): partial weight blocks in both dims; on the GPU also V3's shapes."""
     if device == "cpu":
@@ -178,6 +189,37 @@ def test_triton_grouped_gemm_matches_emulation_and_reference(device):
         reference = block_fp8_grouped_linear_reference(x.float(), weight, ends, row_index)
         assert rel_err(out, emulated) < KERNEL_TO_EMULATION, (tokens, shape)
         assert rel_err(out, reference) < KERNEL_TO_REFERENCE, (tokens, shape)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_tma_grouped_gemm_matches_emulation_and_reference(device):
+    """Prefill-sized groups of rows gathered beforehand take the TMA kernel: groups of a partial tile, of several
+    tiles and empty; on the GPU V3's EP8 expert shapes, through block_fp8_grouped_linear as GroupedMoE calls it."""
+    from pdserve.ops.gemm_triton import fp8_gemm, tma_takes
+
+    if device == "cpu":
+        cases = [(150, 2, (4, 256, 384))]
+    else:
+        cases = [(t, 8, shape) for t in (512, 4096) for shape in ((32, 4096, 7168), (32, 7168, 2048))]
+    for tokens, top_k, shape in cases:
+        weight = random_weight(shape, device=device)
+        x = random_activations(tokens, shape[2], device)
+        row_index, ends = sorted_groups(tokens, top_k, shape[0], device)
+        ends[1] = ends[0]  # group 1 empty
+        rows = row_index.numel()
+        assert tma_takes(weight, rows, torch.device(device))
+        if device == "cpu":
+            out = fp8_gemm(*kernel_inputs(x[row_index]), weight, rows=rows, group_ends=ends)
+        else:
+            out = block_fp8_grouped_linear(x, weight, ends, row_index)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, shape[1])
+        group = (1, 128)
+        emulated_x = dequantize_block_fp8(*quantize_block_fp8(x, group), group)
+        valid = int(ends[-1])  # rows past the last end are left unset, as GroupedMoE's foreign slots
+        emulated = block_fp8_grouped_linear_reference(emulated_x, weight, ends, row_index)[:valid]
+        reference = block_fp8_grouped_linear_reference(x.float(), weight, ends, row_index)[:valid]
+        assert rel_err(out[:valid], emulated) < KERNEL_TO_EMULATION, (tokens, shape)
+        assert rel_err(out[:valid], reference) < KERNEL_TO_REFERENCE, (tokens, shape)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
