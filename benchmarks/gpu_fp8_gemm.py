@@ -8,10 +8,15 @@ to a float32 product of the same activations and dequantized weights: `rel` = ||
 max |out - ref| / max |ref|. Needs only torch and triton; about a minute including Triton's compiles.
 
     python benchmarks/gpu_fp8_gemm.py
+    python benchmarks/gpu_fp8_gemm.py --flashinfer   # also flashinfer's SM90 block-scale GEMM on the dense shapes
     TRITON_INTERPRET=1 python benchmarks/gpu_fp8_gemm.py --smoke     # tiny shapes, any device (a check of the script)
+
+`--flashinfer` times `flashinfer.gemm.fp8_blockscale_gemm_sm90` (TensorRT-LLM's DeepGEMM-style kernel, bf16
+activations quantized inside, JIT-compiled on first use: ~2 minutes) beside cuBLAS on each dense shape it takes.
 """
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +52,7 @@ class Row:
     fp8_rel: float
     fp8_max: float
     bf16_rel: float
+    flashinfer_ms: float | None = None  # --flashinfer: its SM90 block-scale GEMM, where it takes the shape
 
 
 def random_fp8(shape: tuple[int, ...], device: torch.device, seed: int) -> BlockFP8Weight:
@@ -96,7 +102,7 @@ def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return (diff.norm() / ref.norm()).item(), (diff.max() / ref.abs().max()).item()
 
 
-def dense_row(name: str, shape: tuple[int, int], tokens: int, device: torch.device) -> Row:
+def dense_row(name: str, shape: tuple[int, int], tokens: int, device: torch.device, flashinfer: bool = False) -> Row:
     weight = random_fp8(shape, device, seed=tokens)
     x = torch.randn(tokens, shape[1], device=device).to(torch.bfloat16)
     bf16_weight = weight.dequantize(torch.bfloat16)
@@ -107,10 +113,20 @@ def dense_row(name: str, shape: tuple[int, int], tokens: int, device: torch.devi
     ref = block_fp8_linear_reference(x.float(), weight)
     fp8_out, bf16_out = fp8(x, weight), F.linear(x, bf16_weight)
     triton_ms = time_ms(lambda: block_fp8_linear_triton(x, weight), device) if kernel == "cuBLAS" else None
+    flashinfer_ms = None
+    if flashinfer and kernel == "cuBLAS":  # its rules (N a multiple of 64, whole K blocks) hold where cuBLAS's do
+        from flashinfer.gemm import fp8_blockscale_gemm_sm90
+
+        def deepgemm() -> torch.Tensor:
+            return fp8_blockscale_gemm_sm90(x, weight.values, None, weight.scale_inv)
+        deepgemm_rel = errors(deepgemm(), ref)[0]
+        if deepgemm_rel > 2 * errors(fp8_out, ref)[0]:
+            raise AssertionError(f"flashinfer's block-scale GEMM is off: {deepgemm_rel:.1e} on {name}")
+        flashinfer_ms = time_ms(deepgemm, device)
     return Row(name, tokens, 2.0 * tokens * shape[0] * shape[1],
                bf16_ms=time_ms(lambda: F.linear(x, bf16_weight), device), fp8_ms=time_ms(lambda: fp8(x, weight), device),
                fp8_kernel=kernel, triton_ms=triton_ms, fp8_rel=errors(fp8_out, ref)[0], fp8_max=errors(fp8_out, ref)[1],
-               bf16_rel=errors(bf16_out, ref)[0])
+               bf16_rel=errors(bf16_out, ref)[0], flashinfer_ms=flashinfer_ms)
 
 
 def expert_rows(tokens: int, num_experts: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,18 +168,21 @@ def grouped_row(name: str, shape: tuple[int, int, int], tokens: int, device: tor
 
 def print_table(rows: list[Row]) -> None:
     print("| GEMM | tokens | bf16 ms | bf16 TFLOP/s | FP8 ms | FP8 TFLOP/s | FP8 kernel | FP8 speed-up | Triton ms "
-          "| FP8 rel err | FP8 max err | bf16 rel err |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| flashinfer SM90 ms (speed-up) | FP8 rel err | FP8 max err | bf16 rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         triton = f"{r.triton_ms:.3f}" if r.triton_ms is not None else "-"
+        flashinfer = f"{r.flashinfer_ms:.3f} ({r.bf16_ms / r.flashinfer_ms:.2f}x)" if r.flashinfer_ms is not None else "-"
         print(f"| {r.gemm} | {r.tokens} | {r.bf16_ms:.3f} | {r.flops / r.bf16_ms / 1e9:.0f} | {r.fp8_ms:.3f} | "
-              f"{r.flops / r.fp8_ms / 1e9:.0f} | {r.fp8_kernel} | {r.bf16_ms / r.fp8_ms:.2f}x | {triton} | "
+              f"{r.flops / r.fp8_ms / 1e9:.0f} | {r.fp8_kernel} | {r.bf16_ms / r.fp8_ms:.2f}x | {triton} | {flashinfer} | "
               f"{r.fp8_rel:.2e} | {r.fp8_max:.2e} | {r.bf16_rel:.2e} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and sizes (checks the script anywhere)")
+    parser.add_argument("--flashinfer", action="store_true",
+                        help="dense shapes: also flashinfer's SM90 block-scale GEMM (JIT-compiled on first use)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dense, experts, sizes = V3_DENSE, V3_EXPERTS, DECODE_TOKENS + PREFILL_TOKENS
@@ -175,7 +194,7 @@ def main() -> None:
     print(f"device {name}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     started = time.perf_counter()
     rows = []
-    cases = [(dense_row, gemm, shape) for gemm, shape in dense.items()]
+    cases = [(functools.partial(dense_row, flashinfer=args.flashinfer), gemm, shape) for gemm, shape in dense.items()]
     cases += [(grouped_row, gemm, shape) for gemm, shape in experts.items()]
     for measure, gemm, shape in cases:
         for tokens in sizes:
