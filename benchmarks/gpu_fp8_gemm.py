@@ -142,8 +142,7 @@ def expert_rows(tokens: int, num_experts: int, device: torch.device) -> tuple[to
 
 
 def grouped_row(name: str, shape: tuple[int, int, int], tokens: int, device: torch.device) -> Row:
-    from pdserve.ops.fp8_gemm import block_fp8_grouped_linear_triton
-    from pdserve.ops.gemm_triton import tma_takes
+    from pdserve.ops.fp8_gemm import block_fp8_grouped_linear_kernels
 
     weight = random_fp8(shape, device, seed=tokens)
     bf16_weight = weight.dequantize(torch.bfloat16).transpose(1, 2)
@@ -151,7 +150,7 @@ def grouped_row(name: str, shape: tuple[int, int, int], tokens: int, device: tor
     row_index, ends = expert_rows(tokens, shape[0], device)
 
     def fp8() -> torch.Tensor:  # block_fp8_grouped_linear's CUDA path, called directly so that --smoke runs it too
-        return block_fp8_grouped_linear_triton(x, weight, ends, row_index)
+        return block_fp8_grouped_linear_kernels(x, weight, ends, row_index)
 
     def bf16() -> torch.Tensor:
         return torch._grouped_mm(x[row_index], bf16_weight, offs=ends)
@@ -162,8 +161,20 @@ def grouped_row(name: str, shape: tuple[int, int, int], tokens: int, device: tor
     fp8_rel, fp8_max = errors(fp8_out, ref)
     return Row(name, tokens, 2.0 * row_index.numel() * shape[1] * shape[2],
                bf16_ms=time_ms(bf16, device) if bf16_out is not None else float("nan"), fp8_ms=time_ms(fp8, device),
-               fp8_kernel="Triton TMA" if tma_takes(weight, row_index.numel(), device) else "Triton", triton_ms=None, fp8_rel=fp8_rel, fp8_max=fp8_max,
-               bf16_rel=errors(bf16_out, ref)[0] if bf16_out is not None else float("nan"))
+               fp8_kernel=grouped_kernel(weight, row_index.numel(), device), triton_ms=None, fp8_rel=fp8_rel,
+               fp8_max=fp8_max, bf16_rel=errors(bf16_out, ref)[0] if bf16_out is not None else float("nan"))
+
+
+def grouped_kernel(weight: BlockFP8Weight, rows: int, device: torch.device) -> str:
+    """Which kernel block_fp8_grouped_linear runs for these rows."""
+    from pdserve.ops import cutlass_fp8
+    from pdserve.ops.gemm_triton import tma_takes
+
+    if not tma_takes(weight, rows, device):
+        return "Triton"
+    if cutlass_fp8.takes(weight.values, weight.block_size) and cutlass_fp8.available(device):
+        return "CUTLASS"
+    return "Triton TMA"
 
 
 def print_table(rows: list[Row]) -> None:

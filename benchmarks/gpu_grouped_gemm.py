@@ -12,7 +12,8 @@ experts of one EP8 rank at 4k-16k tokens, in TFLOP/s, cuBLAS against the Triton 
     python benchmarks/gpu_grouped_gemm.py --prefill --fp8-only --v3-tokens 16384 --tiles 64x128/4/3 --diagnose
 
 FP8 lines: first the path GroupedMoE takes (block_fp8_grouped_linear: at these sizes the rows gathered while they are
-quantized, then the TMA kernel), then the pointer kernel (gathering rows inside) at each tiling of the sweep.
+quantized, then CUTLASS's grouped kernel on SM90 where it builds), then our Triton TMA kernel on the same rows, then
+the Triton pointer kernel (gathering rows inside) at each tiling of the sweep.
 `--diagnose` adds, for each tiling, the pointer kernel on rows gathered beforehand (what the in-kernel gather costs)
 and without the per-block scale step (what applying the scales costs; its output is not a product, so no error is
 printed), and the quantization with its gather alone.
@@ -22,7 +23,7 @@ import argparse
 
 import torch
 
-from benchmarks.gpu_fp8_gemm import V3_EXPERTS, errors, expert_rows, random_fp8, time_ms
+from benchmarks.gpu_fp8_gemm import V3_EXPERTS, errors, expert_rows, grouped_kernel, random_fp8, time_ms
 
 V2_LITE_EXPERTS = {"w13 2048->2x1408": (64, 2816, 2048), "w2 1408->2048": (64, 2048, 1408)}
 TOP_K = 6
@@ -70,7 +71,7 @@ def prefill_sweep(device: torch.device, bf16: bool = True, tilings: tuple[tuple[
     """bf16 V2-Lite experts (unless `bf16` is off) and FP8 V3 EP8 experts at prefill sizes: cuBLAS (with and without
     the row gather the MoE layer needs before it) against the Triton kernels: bf16 at its default tiling and each of
     `tilings`; FP8 as served, then the pointer kernel at each of `tilings` (`diagnose`: see the module's notes)."""
-    from pdserve.ops.fp8_gemm import block_fp8_grouped_linear_reference, block_fp8_grouped_linear_triton
+    from pdserve.ops.fp8_gemm import block_fp8_grouped_linear_kernels, block_fp8_grouped_linear_reference
     from pdserve.ops.gemm_triton import GemmTiles, _grouped_gemm, bf16_grouped_gemm, fp8_gemm, quantize_rows, tiles_for
 
     sweep = tuple(GemmTiles(*tiles) for tiles in tilings)
@@ -109,8 +110,14 @@ def prefill_sweep(device: torch.device, bf16: bool = True, tilings: tuple[tuple[
             ref = block_fp8_grouped_linear_reference(x.float(), weight, ends, row_index)
             cublas_us = sweep_line(name, tokens, rows, "bf16 cuBLAS + gather", flops, None,
                                    lambda: torch._grouped_mm(x[row_index], bf16_weight, offs=ends), ref, device)
-            sweep_line(name, tokens, rows, "FP8 as served (quantize + gather, then the TMA kernel)", flops, cublas_us,
-                       lambda: block_fp8_grouped_linear_triton(x, weight, ends, row_index), ref, device)
+            sweep_line(name, tokens, rows, f"FP8 as served: quantize + gather, {grouped_kernel(weight, rows, device)}",
+                       flops, cublas_us, lambda: block_fp8_grouped_linear_kernels(x, weight, ends, row_index), ref,
+                       device)
+
+            def triton_tma() -> torch.Tensor:
+                q, scales = quantize_rows(x, 128, row_index=row_index)
+                return fp8_gemm(q, scales, weight, rows=rows, group_ends=ends)
+            sweep_line(name, tokens, rows, "FP8 quantize + gather, Triton TMA", flops, cublas_us, triton_tma, ref, device)
             for tiles in sweep:  # the pointer kernel, gathering inside
                 def fp8(tiles=tiles) -> torch.Tensor:
                     q, scales = quantize_rows(x, 128)

@@ -196,6 +196,10 @@ class Engine:
             backends = replace(backends, expert_load=ExpertLoad.zeros(mc.num_hidden_layers, mc.n_routed_experts,
                                                                       self.device))
         keep_fp8 = resolve_keep_fp8(cfg.fp8_weights, self.device, self.dtype)
+        if keep_fp8 and mc.fp8_block_size is not None and mc.n_routed_experts and self.device.type == "cuda":
+            from pdserve.ops import cutlass_fp8
+
+            cutlass_fp8.available(self.device)  # builds the prefill experts' kernel now (once a host), not mid-step
         if cfg.load_format == "random":
             model = build_model(self.model_config, backends, self.device, self.dtype, experts, keep_fp8)
             return init_random_weights(model, cfg.seed)

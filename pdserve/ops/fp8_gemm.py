@@ -93,11 +93,11 @@ def block_fp8_grouped_linear(x: torch.Tensor, weight: BlockFP8Weight, group_ends
     group_ends int32 on x's device. Rows past the last end are left unset (GroupedMoE sorts foreign slots there)."""
     if not uses_fp8_kernels(x):
         return block_fp8_grouped_linear_reference(x, weight, group_ends, row_index)
-    return block_fp8_grouped_linear_triton(x, weight, group_ends, row_index)
+    return block_fp8_grouped_linear_kernels(x, weight, group_ends, row_index)
 
 
-def block_fp8_grouped_linear_triton(x: torch.Tensor, weight: BlockFP8Weight, group_ends: torch.Tensor,
-                                    row_index: torch.Tensor | None = None) -> torch.Tensor:
+def block_fp8_grouped_linear_kernels(x: torch.Tensor, weight: BlockFP8Weight, group_ends: torch.Tensor,
+                                     row_index: torch.Tensor | None = None) -> torch.Tensor:
     """block_fp8_grouped_linear's kernels: x bf16 on CUDA (or CPU tensors in Triton's interpreter)."""
     from pdserve.ops.gemm_triton import fp8_gemm, quantize_rows, tma_takes
 
@@ -105,10 +105,30 @@ def block_fp8_grouped_linear_triton(x: torch.Tensor, weight: BlockFP8Weight, gro
     if tma_takes(weight, rows, x.device):
         # Prefill sizes: the rows gathered as they are quantized, so the GEMM loads whole tiles by TMA.
         q, scales = quantize_rows(x, weight.block_size[1], row_index=row_index)
-        return fp8_gemm(q, scales, weight, rows=rows, group_ends=group_ends)
+        return grouped_fp8_gemm_sorted(q, scales, weight.values, weight.scale_inv, group_ends, *weight.block_size)
     # Decode sizes: each token quantized once, its rows gathered (one per routed slot) inside the GEMM.
     q, scales = quantize_rows(x, weight.block_size[1])
     return fp8_gemm(q, scales, weight, rows=rows, group_ends=group_ends, row_index=row_index)
+
+
+# An operator of its own: torch.compile takes the launch (TMA descriptors built on the host, or a ctypes call) as
+# one opaque call.
+@torch.library.custom_op("pdserve::grouped_fp8_gemm_sorted", mutates_args=())
+def grouped_fp8_gemm_sorted(q: torch.Tensor, scales: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor,
+                            group_ends: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+    """Block-FP8 rows already gathered and sorted by group, as tma_takes() allows -> [rows, N] bf16: CUTLASS's
+    kernel on SM90 where it builds (pdserve.ops.cutlass_fp8), our Triton TMA kernel otherwise."""
+    from pdserve.ops import cutlass_fp8
+    from pdserve.ops.gemm_triton import grouped_fp8_gemm_tma
+
+    if cutlass_fp8.takes(values, (block_n, block_k)) and cutlass_fp8.available(q.device):
+        return cutlass_fp8.grouped_fp8_gemm(q, scales, values, scale_inv, group_ends)
+    return grouped_fp8_gemm_tma(q, scales, values, scale_inv, group_ends, block_k)
+
+
+@grouped_fp8_gemm_sorted.register_fake
+def _(q, scales, values, scale_inv, group_ends, block_n, block_k):
+    return q.new_empty(q.shape[0], values.shape[1], dtype=torch.bfloat16)
 
 
 def block_fp8_grouped_linear_reference(x: torch.Tensor, weight: BlockFP8Weight, group_ends: torch.Tensor,

@@ -259,8 +259,6 @@ def fp8_gemm(q: torch.Tensor, scales: torch.Tensor, weight: BlockFP8Weight, rows
                          (scales, scale_inv, weight.block_size[0]), tiles)
 
 
-# An operator of its own: torch.compile takes the launch (host-side TMA descriptors) as one opaque call.
-@torch.library.custom_op("pdserve::grouped_fp8_gemm_tma", mutates_args=())
 def grouped_fp8_gemm_tma(q: torch.Tensor, scales: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor,
                          group_ends: torch.Tensor, block_k: int) -> torch.Tensor:
     """q [rows, K] FP8 sorted by group and its quantize_rows() scales, values [groups, N, K] and their scale grid of
@@ -282,10 +280,6 @@ def grouped_fp8_gemm_tma(q: torch.Tensor, scales: torch.Tensor, values: torch.Te
     )
     return out
 
-
-@grouped_fp8_gemm_tma.register_fake
-def _(q, scales, values, scale_inv, group_ends, block_k):
-    return q.new_empty(q.shape[0], values.shape[1], dtype=torch.bfloat16)
 
 
 def bf16_grouped_gemm(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor,

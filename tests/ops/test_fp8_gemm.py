@@ -192,9 +192,10 @@ def test_triton_grouped_gemm_matches_emulation_and_reference(device):
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-def test_tma_grouped_gemm_matches_emulation_and_reference(device):
-    """Prefill-sized groups of rows gathered beforehand take the TMA kernel: groups of a partial tile, of several
-    tiles and empty; on the GPU V3's EP8 expert shapes, through block_fp8_grouped_linear as GroupedMoE calls it."""
+def test_sorted_grouped_gemms_match_emulation_and_reference(device):
+    """Prefill-sized groups of rows gathered beforehand: our Triton TMA kernel, and on the GPU also the path
+    GroupedMoE takes (block_fp8_grouped_linear: CUTLASS's kernel on SM90 where it builds). Groups of a partial tile,
+    of several tiles and empty; on the GPU V3's EP8 expert shapes."""
     from pdserve.ops.gemm_triton import fp8_gemm, tma_takes
 
     if device == "cpu":
@@ -208,18 +209,59 @@ def test_tma_grouped_gemm_matches_emulation_and_reference(device):
         ends[1] = ends[0]  # group 1 empty
         rows = row_index.numel()
         assert tma_takes(weight, rows, torch.device(device))
-        if device == "cpu":
-            out = fp8_gemm(*kernel_inputs(x[row_index]), weight, rows=rows, group_ends=ends)
-        else:
-            out = block_fp8_grouped_linear(x, weight, ends, row_index)
-        assert out.dtype == torch.bfloat16 and out.shape == (rows, shape[1])
+        outputs = {"Triton TMA": fp8_gemm(*kernel_inputs(x[row_index]), weight, rows=rows, group_ends=ends)}
+        if device == "cuda":
+            outputs["as served"] = block_fp8_grouped_linear(x, weight, ends, row_index)
         group = (1, 128)
         emulated_x = dequantize_block_fp8(*quantize_block_fp8(x, group), group)
         valid = int(ends[-1])  # rows past the last end are left unset, as GroupedMoE's foreign slots
         emulated = block_fp8_grouped_linear_reference(emulated_x, weight, ends, row_index)[:valid]
         reference = block_fp8_grouped_linear_reference(x.float(), weight, ends, row_index)[:valid]
-        assert rel_err(out[:valid], emulated) < KERNEL_TO_EMULATION, (tokens, shape)
-        assert rel_err(out[:valid], reference) < KERNEL_TO_REFERENCE, (tokens, shape)
+        for kernel, out in outputs.items():
+            assert out.dtype == torch.bfloat16 and out.shape == (rows, shape[1])
+            assert rel_err(out[:valid], emulated) < KERNEL_TO_EMULATION, (kernel, tokens, shape)
+            assert rel_err(out[:valid], reference) < KERNEL_TO_REFERENCE, (kernel, tokens, shape)
+
+
+@pytest.mark.gpu
+def test_cutlass_grouped_gemm_replays_in_a_cuda_graph_with_new_groups():
+    """The CUTLASS kernel writes its per-group pointers, shapes and scales on the device, so a captured call replayed
+    with other rows and another split into groups (same row count) gives what an eager call gives."""
+    from pdserve.ops import cutlass_fp8
+    from pdserve.ops.gemm_triton import quantize_rows
+
+    device = torch.device("cuda")
+    weight = random_weight((8, 256, 512), device="cuda")
+    if not (cutlass_fp8.takes(weight.values, weight.block_size) and cutlass_fp8.available(device)):
+        pytest.skip("CUTLASS's grouped FP8 GEMM runs on SM90 with nvcc and flashinfer's headers")
+    x = random_activations(600, 512, "cuda")
+    ends = torch.tensor([100, 100, 250, 300, 420, 500, 560, 600], dtype=torch.int32, device=device)
+
+    def call() -> torch.Tensor:
+        q, scales = quantize_rows(x, 128)
+        return cutlass_fp8.grouped_fp8_gemm(q, scales, weight.values, weight.scale_inv, ends)
+
+    call()  # warm-up off the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    x.copy_(random_activations(600, 512, "cuda", seed=7))
+    ends.copy_(torch.tensor([0, 75, 75, 330, 331, 400, 599, 600], dtype=torch.int32))
+    graph.replay()
+    expected = call()
+    assert torch.equal(captured, expected)
+    emulated_x = dequantize_block_fp8(*quantize_block_fp8(x, (1, 128)), (1, 128))
+    assert rel_err(captured, block_fp8_grouped_linear_reference(emulated_x, weight, ends)) < KERNEL_TO_EMULATION
+
+
+def test_cutlass_kernel_takes_stacked_whole_128_blocks_only():
+    from pdserve.ops import cutlass_fp8
+
+    assert cutlass_fp8.takes(torch.empty(4, 256, 384, dtype=torch.float8_e4m3fn), (128, 128))
+    assert not cutlass_fp8.takes(torch.empty(4, 200, 384, dtype=torch.float8_e4m3fn), (128, 128))  # partial N block
+    assert not cutlass_fp8.takes(torch.empty(256, 384, dtype=torch.float8_e4m3fn), (128, 128))  # dense
+    assert not cutlass_fp8.takes(torch.empty(4, 256, 384, dtype=torch.float8_e4m3fn), (64, 128))
+    assert not cutlass_fp8.available(torch.device("cpu"))
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)

@@ -1,0 +1,135 @@
+"""The grouped block-FP8 GEMM of csrc/grouped_fp8_gemm_sm90.cu (CUTLASS's pointer-array kernel with blockwise
+scaling, for Hopper), compiled with nvcc on first use against the CUTLASS headers flashinfer ships, and called by
+ctypes: routed experts at prefill sizes, where it keeps the tensor cores busy while each K block's partial sums are
+scaled, which our Triton kernel cannot.
+
+Built once per source and toolkit into ~/.cache/pdserve/kernels (PDSERVE_KERNEL_CACHE overrides); where it cannot
+be built (no nvcc, no flashinfer, not SM90) `available()` is False and callers keep the Triton kernel.
+"""
+
+import ctypes
+import functools
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "grouped_fp8_gemm_sm90.cu"
+SCALE_BLOCK = 128
+NVCC_FLAGS = ("-std=c++17", "-O3", "-arch=sm_90a", "--expt-relaxed-constexpr", "-DNDEBUG", "-diag-suppress", "20012",
+              "-Xcompiler", "-fPIC", "-shared")
+
+
+def _nvcc() -> str | None:
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    candidates = [Path(CUDA_HOME) / "bin" / "nvcc"] if CUDA_HOME else []
+    found = shutil.which("nvcc")
+    candidates += [Path(found)] if found else []
+    return next((str(path) for path in candidates if path.exists()), None)
+
+
+def _cutlass_includes() -> list[Path] | None:
+    """CUTLASS's headers as flashinfer's wheel carries them (for its own JIT)."""
+    spec = importlib.util.find_spec("flashinfer")
+    if spec is None or spec.origin is None:
+        return None
+    root = Path(spec.origin).parent / "data" / "cutlass"
+    includes = [root / "include", root / "tools" / "util" / "include"]
+    return includes if all(path.is_dir() for path in includes) else None
+
+
+def _build(nvcc: str, includes: list[Path]) -> Path:
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(map(str, includes)).encode()
+                         + " ".join(NVCC_FLAGS).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("PDSERVE_KERNEL_CACHE", Path.home() / ".cache" / "pdserve" / "kernels"))
+    library = cache / f"grouped_fp8_gemm_sm90-{key}.so"
+    if library.exists():
+        return library
+    cache.mkdir(parents=True, exist_ok=True)
+    log.info("compiling the grouped FP8 GEMM (CUTLASS, sm_90a) with %s: about a minute, once", nvcc)
+    with tempfile.TemporaryDirectory(dir=cache) as scratch:
+        partial = Path(scratch) / library.name
+        command = [nvcc, *NVCC_FLAGS, *(f"-I{path}" for path in includes), str(SOURCE), "-o", str(partial), "-lcuda"]
+        subprocess.run(command, check=True, capture_output=True, text=True, timeout=900)
+        partial.replace(library)  # atomic: a concurrent worker sees the whole file or none
+    log.info("compiled %s", library)
+    return library
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    nvcc, includes = _nvcc(), _cutlass_includes()
+    if nvcc is None or includes is None:
+        log.info("the CUTLASS grouped FP8 GEMM is not built: %s", "no nvcc" if nvcc is None else "no flashinfer")
+        return None
+    try:
+        library = ctypes.CDLL(str(_build(nvcc, includes)))
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = getattr(error, "stderr", "") or ""
+        log.warning("the CUTLASS grouped FP8 GEMM did not build, the Triton kernel serves: %s %s", error, detail[-2000:])
+        return None
+    library.pdserve_grouped_fp8_gemm_workspace.restype = ctypes.c_size_t
+    library.pdserve_grouped_fp8_gemm_workspace.argtypes = [ctypes.c_int] * 5
+    library.pdserve_grouped_fp8_gemm.restype = ctypes.c_int
+    library.pdserve_grouped_fp8_gemm.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t,
+        ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    return library
+
+
+@functools.cache
+def _is_sm90(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernel runs here: an SM90 GPU and a built library (building it on the first call)."""
+    return device.type == "cuda" and _is_sm90(device) and _library() is not None
+
+
+def takes(values: torch.Tensor, block_size: tuple[int, int]) -> bool:
+    """Shapes the kernel takes: stacked [groups, N, K] weights, contiguous, in 128 x 128 blocks, N and K whole blocks."""
+    if values.dim() != 3 or not values.is_contiguous() or block_size != (SCALE_BLOCK, SCALE_BLOCK):
+        return False
+    return values.shape[1] % SCALE_BLOCK == 0 and values.shape[2] % SCALE_BLOCK == 0
+
+
+def grouped_fp8_gemm(q: torch.Tensor, scales: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor,
+                     group_ends: torch.Tensor) -> torch.Tensor:
+    """q [rows, K] FP8 sorted by group with quantize_rows()'s scales [K/128, >= rows]; values [groups, N, K] FP8
+    with scale_inv [groups, N/128, K/128]; group_ends [groups] int32 -> [rows, N] bf16. available() and takes()
+    must hold."""
+    library = _library()
+    rows, k = q.shape
+    groups, n, _ = values.shape
+    out = torch.empty(rows, n, dtype=torch.bfloat16, device=q.device)
+    if rows == 0:
+        return out
+    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    sm_count = _sm_count(device)
+    workspace = torch.empty(library.pdserve_grouped_fp8_gemm_workspace(groups, rows, k, device, sm_count),
+                            dtype=torch.uint8, device=q.device)
+    weight_scales = scale_inv.transpose(1, 2).contiguous()  # CUTLASS reads N blocks contiguous
+    status = library.pdserve_grouped_fp8_gemm(
+        q.data_ptr(), scales.data_ptr(), scales.stride(0), values.data_ptr(), weight_scales.data_ptr(),
+        group_ends.data_ptr(), out.data_ptr(), groups, rows, n, k, workspace.data_ptr(), workspace.numel(), device,
+        sm_count, torch.cuda.current_stream(q.device).cuda_stream)
+    if status != 0:
+        raise RuntimeError(f"the CUTLASS grouped FP8 GEMM failed (status {status}) on {rows} rows x {n} x {k}")
+    return out
+
+
+@functools.cache
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
