@@ -272,6 +272,8 @@ def main() -> None:
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--moe", default="auto")
     parser.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (smoke runs)")
+    parser.add_argument("--fp8", action="store_true", help="the config's linears block-quantized to FP8 and kept FP8 "
+                        "(as DeepSeek-V3's checkpoint ships them), random weights as with bf16")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--batches", default="1,16,64,256")
     parser.add_argument("--contexts", default="1024,4096")
@@ -303,6 +305,10 @@ def main() -> None:
     raw = json.loads(Path(args.config).read_text())
     if args.layers:
         raw["num_hidden_layers"] = args.layers
+    if args.fp8:
+        from benchmarks.gpu_logits_error import FP8_QUANTIZATION
+
+        raw["quantization_config"] = FP8_QUANTIZATION
     cfg = ModelConfig.from_dict(raw)
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -317,7 +323,8 @@ def main() -> None:
         f"{args.dtype} matmul {flop_per_s / 1e12:.0f} TFLOP/s")
 
     backends = select_backends(args.attention, args.moe, device, dtype)
-    model = init_random_weights(build_model(cfg, backends, device, dtype, fuse=not args.unfused), seed=0)
+    model = init_random_weights(build_model(cfg, backends, device, dtype, keep_fp8=args.fp8, fuse=not args.unfused),
+                                seed=0)
     params = sum(p.numel() for p in model.parameters())
     log(f"model: {params / 1e9:.2f}B params, {cfg.num_hidden_layers} layers; backends "
         f"{type(backends.attention).__name__} + {type(backends.moe).__name__}")

@@ -79,7 +79,7 @@ def _library() -> ctypes.CDLL | None:
         log.warning("the CUTLASS grouped FP8 GEMM did not build, the Triton kernel serves: %s %s", error, detail[-2000:])
         return None
     library.pdserve_grouped_fp8_gemm_workspace.restype = ctypes.c_size_t
-    library.pdserve_grouped_fp8_gemm_workspace.argtypes = [ctypes.c_int] * 5
+    library.pdserve_grouped_fp8_gemm_workspace.argtypes = [ctypes.c_int] * 6
     library.pdserve_grouped_fp8_gemm.restype = ctypes.c_int
     library.pdserve_grouped_fp8_gemm.argtypes = [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -111,6 +111,8 @@ def grouped_fp8_gemm(q: torch.Tensor, scales: torch.Tensor, values: torch.Tensor
     with scale_inv [groups, N/128, K/128]; group_ends [groups] int32 -> [rows, N] bf16. available() and takes()
     must hold."""
     library = _library()
+    if not (q.is_contiguous() and scale_inv.is_contiguous() and scales.stride(1) == 1):
+        raise ValueError("the CUTLASS grouped FP8 GEMM takes contiguous rows and weight scales, rows' scales by row")
     rows, k = q.shape
     groups, n, _ = values.shape
     out = torch.empty(rows, n, dtype=torch.bfloat16, device=q.device)
@@ -118,11 +120,10 @@ def grouped_fp8_gemm(q: torch.Tensor, scales: torch.Tensor, values: torch.Tensor
         return out
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     sm_count = _sm_count(device)
-    workspace = torch.empty(library.pdserve_grouped_fp8_gemm_workspace(groups, rows, k, device, sm_count),
+    workspace = torch.empty(library.pdserve_grouped_fp8_gemm_workspace(groups, rows, n, k, device, sm_count),
                             dtype=torch.uint8, device=q.device)
-    weight_scales = scale_inv.transpose(1, 2).contiguous()  # CUTLASS reads N blocks contiguous
     status = library.pdserve_grouped_fp8_gemm(
-        q.data_ptr(), scales.data_ptr(), scales.stride(0), values.data_ptr(), weight_scales.data_ptr(),
+        q.data_ptr(), scales.data_ptr(), scales.stride(0), values.data_ptr(), scale_inv.data_ptr(),
         group_ends.data_ptr(), out.data_ptr(), groups, rows, n, k, workspace.data_ptr(), workspace.numel(), device,
         sm_count, torch.cuda.current_stream(q.device).cuda_stream)
     if status != 0:

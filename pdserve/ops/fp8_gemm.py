@@ -105,15 +105,15 @@ def block_fp8_grouped_linear_kernels(x: torch.Tensor, weight: BlockFP8Weight, gr
     if tma_takes(weight, rows, x.device):
         # Prefill sizes: the rows gathered as they are quantized, so the GEMM loads whole tiles by TMA.
         q, scales = quantize_rows(x, weight.block_size[1], row_index=row_index)
-        return grouped_fp8_gemm_sorted(q, scales, weight.values, weight.scale_inv, group_ends, *weight.block_size)
+        # Eagerly the plain function: the operator's dispatch costs host time a call, which large eager prefill
+        # steps, host-bound in FP8, feel.
+        gemm = grouped_fp8_gemm_sorted_op if torch.compiler.is_compiling() else grouped_fp8_gemm_sorted
+        return gemm(q, scales, weight.values, weight.scale_inv, group_ends, *weight.block_size)
     # Decode sizes: each token quantized once, its rows gathered (one per routed slot) inside the GEMM.
     q, scales = quantize_rows(x, weight.block_size[1])
     return fp8_gemm(q, scales, weight, rows=rows, group_ends=group_ends, row_index=row_index)
 
 
-# An operator of its own: torch.compile takes the launch (TMA descriptors built on the host, or a ctypes call) as
-# one opaque call.
-@torch.library.custom_op("pdserve::grouped_fp8_gemm_sorted", mutates_args=())
 def grouped_fp8_gemm_sorted(q: torch.Tensor, scales: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor,
                             group_ends: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
     """Block-FP8 rows already gathered and sorted by group, as tma_takes() allows -> [rows, N] bf16: CUTLASS's
@@ -126,7 +126,13 @@ def grouped_fp8_gemm_sorted(q: torch.Tensor, scales: torch.Tensor, values: torch
     return grouped_fp8_gemm_tma(q, scales, values, scale_inv, group_ends, block_k)
 
 
-@grouped_fp8_gemm_sorted.register_fake
+# An operator of its own for compiled regions: torch.compile takes the launch (TMA descriptors built on the host, or
+# a ctypes call) as one opaque call.
+grouped_fp8_gemm_sorted_op = torch.library.custom_op("pdserve::grouped_fp8_gemm_sorted", mutates_args=())(
+    grouped_fp8_gemm_sorted)
+
+
+@grouped_fp8_gemm_sorted_op.register_fake
 def _(q, scales, values, scale_inv, group_ends, block_n, block_k):
     return q.new_empty(q.shape[0], values.shape[1], dtype=torch.bfloat16)
 

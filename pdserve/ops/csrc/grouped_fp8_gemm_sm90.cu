@@ -4,11 +4,12 @@
 //
 // Inputs, as pdserve lays them out (rows sorted by expert, `group_ends` the cumulative row ends, on the device):
 //   a        [rows, K] e4m3, row-major                  a_scales  [K/128, scale_rows] float: one per row per K block
-//   b        [groups, N, K] e4m3 (each expert N x K)    b_scales  [groups, K/128, N/128] float (N blocks contiguous)
+//   b        [groups, N, K] e4m3 (each expert N x K)    b_scales  [groups, N/128, K/128] float (the checkpoint's grid)
 //   d        [rows, N] bf16, row-major
 // Every pointer array, stride and per-group problem size is written on the device from `group_ends`, so a call
 // never waits for the GPU and can be captured in a CUDA graph. CUTLASS reads each group's activation scales as a
-// compact [K/128, m_g] block, so they are re-laid into the workspace first.
+// compact [K/128, m_g] block and the weight scales with N blocks contiguous, so both are re-laid into the workspace
+// first.
 
 #include <cuda_runtime.h>
 
@@ -88,12 +89,13 @@ struct GroupArrays {
   LayoutSFA* layout_sfa;
   LayoutSFB* layout_sfb;
   float* sfa_compact;  // [rows * K/128]: group g's scales at group_start * K/128, as [K/128, m_g]
+  float* sfb_mn_major;  // [groups, K/128, N/128]
 };
 
 size_t align_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
 // Carves the arrays from `base` (nullptr: only counts); returns the bytes they take.
-size_t carve(char* base, int groups, int rows, int k_blocks, GroupArrays* out) {
+size_t carve(char* base, int groups, int rows, int n_blocks, int k_blocks, GroupArrays* out) {
   size_t offset = 0;
   auto take = [&](size_t bytes) {
     char* at = base ? base + offset : nullptr;
@@ -114,12 +116,13 @@ size_t carve(char* base, int groups, int rows, int k_blocks, GroupArrays* out) {
   arrays.layout_sfa = reinterpret_cast<LayoutSFA*>(take(sizeof(LayoutSFA) * groups));
   arrays.layout_sfb = reinterpret_cast<LayoutSFB*>(take(sizeof(LayoutSFB) * groups));
   arrays.sfa_compact = reinterpret_cast<float*>(take(sizeof(float) * static_cast<size_t>(rows) * k_blocks));
+  arrays.sfb_mn_major = reinterpret_cast<float*>(take(sizeof(float) * static_cast<size_t>(groups) * n_blocks * k_blocks));
   if (out) *out = arrays;
   return offset;
 }
 
 __global__ void fill_group_arrays(GroupArrays arrays, const int* group_ends, int groups, int n, int k,
-                                  const ElementA* a, const ElementB* b, const float* b_scales, ElementD* d) {
+                                  const ElementA* a, const ElementB* b, ElementD* d) {
   int g = blockIdx.x * blockDim.x + threadIdx.x;
   if (g >= groups) return;
   int start = g ? group_ends[g - 1] : 0;
@@ -130,7 +133,7 @@ __global__ void fill_group_arrays(GroupArrays arrays, const int* group_ends, int
   arrays.b[g] = b + static_cast<int64_t>(g) * n * k;
   arrays.d[g] = d + static_cast<int64_t>(start) * n;
   arrays.sfa[g] = arrays.sfa_compact + static_cast<int64_t>(start) * k_blocks;
-  arrays.sfb[g] = b_scales + static_cast<int64_t>(g) * k_blocks * (n / kScaleBlock);
+  arrays.sfb[g] = arrays.sfb_mn_major + static_cast<int64_t>(g) * k_blocks * (n / kScaleBlock);
   arrays.stride_a[g] = cutlass::make_cute_packed_stride(StrideA{}, {m, k, 1});
   arrays.stride_b[g] = cutlass::make_cute_packed_stride(StrideB{}, {n, k, 1});
   arrays.stride_c[g] = cutlass::make_cute_packed_stride(StrideC{}, {m, n, 1});
@@ -154,6 +157,16 @@ __global__ void compact_row_scales(const float* a_scales, int scale_rows, const 
   int m = group_ends[lo] - start;
   compact[static_cast<int64_t>(start) * k_blocks + static_cast<int64_t>(kb) * m + (row - start)] =
       a_scales[static_cast<int64_t>(kb) * scale_rows + row];
+}
+
+// One thread per weight scale: [g][nb][kb] -> [g][kb][nb].
+__global__ void transpose_weight_scales(const float* b_scales, int count, int n_blocks, int k_blocks, float* out) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= count) return;
+  int kb = i % k_blocks;
+  int nb = (i / k_blocks) % n_blocks;
+  int g = i / (k_blocks * n_blocks);
+  out[(static_cast<int64_t>(g) * k_blocks + kb) * n_blocks + nb] = b_scales[i];
 }
 
 typename Gemm::Arguments make_arguments(const GroupArrays& arrays, int groups, int device, int sm_count) {
@@ -180,9 +193,9 @@ using namespace pdserve_grouped_fp8;
 extern "C" {
 
 // Bytes of workspace one call needs: the group arrays, the compact scales and CUTLASS's own.
-size_t pdserve_grouped_fp8_gemm_workspace(int groups, int rows, int k, int device, int sm_count) {
+size_t pdserve_grouped_fp8_gemm_workspace(int groups, int rows, int n, int k, int device, int sm_count) {
   GroupArrays arrays{};
-  size_t own = carve(nullptr, groups, rows, k / kScaleBlock, &arrays);
+  size_t own = carve(nullptr, groups, rows, n / kScaleBlock, k / kScaleBlock, &arrays);
   return own + align_up(Gemm::get_workspace_size(make_arguments(arrays, groups, device, sm_count)));
 }
 
@@ -192,12 +205,15 @@ int pdserve_grouped_fp8_gemm(const void* a, const float* a_scales, int scale_row
                              int k, void* workspace, size_t workspace_bytes, int device, int sm_count,
                              cudaStream_t stream) {
   if (k % kScaleBlock || n % kScaleBlock) return static_cast<int>(cutlass::Status::kErrorInvalidProblem);
-  int k_blocks = k / kScaleBlock;
+  int k_blocks = k / kScaleBlock, n_blocks = n / kScaleBlock;
   GroupArrays arrays;
-  size_t own = carve(static_cast<char*>(workspace), groups, rows, k_blocks, &arrays);
+  size_t own = carve(static_cast<char*>(workspace), groups, rows, n_blocks, k_blocks, &arrays);
   fill_group_arrays<<<(groups + 127) / 128, 128, 0, stream>>>(
-      arrays, group_ends, groups, n, k, static_cast<const ElementA*>(a), static_cast<const ElementB*>(b), b_scales,
+      arrays, group_ends, groups, n, k, static_cast<const ElementA*>(a), static_cast<const ElementB*>(b),
       static_cast<ElementD*>(d));
+  int weight_scales = groups * n_blocks * k_blocks;
+  transpose_weight_scales<<<(weight_scales + 255) / 256, 256, 0, stream>>>(b_scales, weight_scales, n_blocks,
+                                                                           k_blocks, arrays.sfb_mn_major);
   if (rows > 0) {
     compact_row_scales<<<dim3((rows + 255) / 256, k_blocks), 256, 0, stream>>>(
         a_scales, scale_rows, group_ends, groups, rows, k_blocks, arrays.sfa_compact);
