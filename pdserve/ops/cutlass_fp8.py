@@ -3,8 +3,11 @@ scaling, for Hopper), compiled with nvcc on first use against the CUTLASS header
 ctypes: routed experts at prefill sizes, where it keeps the tensor cores busy while each K block's partial sums are
 scaled, which our Triton kernel cannot.
 
-Built once per source and toolkit into ~/.cache/pdserve/kernels (PDSERVE_KERNEL_CACHE overrides); where it cannot
-be built (no nvcc, no flashinfer, not SM90) `available()` is False and callers keep the Triton kernel.
+Built once per source and toolkit into ~/.cache/pdserve/kernels (PDSERVE_KERNEL_CACHE overrides), by the CUDA
+toolkit's nvcc or a pip-installed one (nvidia-cuda-nvcc, nvidia-nvvm, nvidia-cuda-cccl, with a host C++ compiler);
+CUDA's runtime is linked in statically and the driver is reached through the runtime, so the library needs nothing
+else. Where it cannot be built (no nvcc, no flashinfer) or run (not SM90), `available()` is False and callers keep
+the Triton kernel; the project's CUDA image has no nvcc, so it serves the Triton kernel.
 """
 
 import ctypes
@@ -29,11 +32,15 @@ NVCC_FLAGS = ("-std=c++17", "-O3", "-arch=sm_90a", "--expt-relaxed-constexpr", "
 
 
 def _nvcc() -> str | None:
+    """The toolkit's nvcc (torch's CUDA_HOME, then PATH), else one from NVIDIA's pip wheels (nvidia/cu13/bin)."""
     from torch.utils.cpp_extension import CUDA_HOME
 
     candidates = [Path(CUDA_HOME) / "bin" / "nvcc"] if CUDA_HOME else []
     found = shutil.which("nvcc")
     candidates += [Path(found)] if found else []
+    wheels = importlib.util.find_spec("nvidia")
+    for root in (wheels.submodule_search_locations or []) if wheels else []:
+        candidates += sorted(Path(root).glob("cu*/bin/nvcc"), reverse=True)
     return next((str(path) for path in candidates if path.exists()), None)
 
 
@@ -59,7 +66,10 @@ def _build(nvcc: str, includes: list[Path]) -> Path:
     log.info("compiling the grouped FP8 GEMM (CUTLASS, sm_90a) with %s: about a minute, once", nvcc)
     with tempfile.TemporaryDirectory(dir=cache) as scratch:
         partial = Path(scratch) / library.name
-        command = [nvcc, *NVCC_FLAGS, *(f"-I{path}" for path in includes), str(SOURCE), "-o", str(partial), "-lcuda"]
+        # The static runtime's directory: the toolkit's lib64, a wheel's lib (which nvcc.profile does not name).
+        toolkit = Path(nvcc).parent.parent
+        command = [nvcc, *NVCC_FLAGS, *(f"-I{path}" for path in includes), f"-L{toolkit / 'lib'}",
+                   f"-L{toolkit / 'lib64'}", str(SOURCE), "-o", str(partial)]
         subprocess.run(command, check=True, capture_output=True, text=True, timeout=900)
         partial.replace(library)  # atomic: a concurrent worker sees the whole file or none
     log.info("compiled %s", library)
