@@ -11,6 +11,7 @@ the Triton kernel; the project's CUDA image has no nvcc, so it serves the Triton
 """
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -55,6 +56,9 @@ def _cutlass_includes() -> list[Path] | None:
 
 
 def _build(nvcc: str, includes: list[Path]) -> Path:
+    """The library for this source, toolkit and headers: from the cache, or compiled into it. Processes that start
+    together (an expert-parallel instance's ranks on one host) take a file lock, so one compiles and the rest load
+    its library instead of running several CUTLASS compiles at once."""
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(map(str, includes)).encode()
                          + " ".join(NVCC_FLAGS).encode()).hexdigest()[:16]
@@ -63,15 +67,19 @@ def _build(nvcc: str, includes: list[Path]) -> Path:
     if library.exists():
         return library
     cache.mkdir(parents=True, exist_ok=True)
-    log.info("compiling the grouped FP8 GEMM (CUTLASS, sm_90a) with %s: about a minute, once", nvcc)
-    with tempfile.TemporaryDirectory(dir=cache) as scratch:
-        partial = Path(scratch) / library.name
-        # The static runtime's directory: the toolkit's lib64, a wheel's lib (which nvcc.profile does not name).
-        toolkit = Path(nvcc).parent.parent
-        command = [nvcc, *NVCC_FLAGS, *(f"-I{path}" for path in includes), f"-L{toolkit / 'lib'}",
-                   f"-L{toolkit / 'lib64'}", str(SOURCE), "-o", str(partial)]
-        subprocess.run(command, check=True, capture_output=True, text=True, timeout=900)
-        partial.replace(library)  # atomic: a concurrent worker sees the whole file or none
+    with open(library.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if library.exists():  # built by the process that held the lock
+            return library
+        log.info("compiling the grouped FP8 GEMM (CUTLASS, sm_90a) with %s: about a minute, once", nvcc)
+        with tempfile.TemporaryDirectory(dir=cache) as scratch:
+            partial = Path(scratch) / library.name
+            # The static runtime's directory: the toolkit's lib64, a wheel's lib (which nvcc.profile does not name).
+            toolkit = Path(nvcc).parent.parent
+            command = [nvcc, *NVCC_FLAGS, *(f"-I{path}" for path in includes), f"-L{toolkit / 'lib'}",
+                       f"-L{toolkit / 'lib64'}", str(SOURCE), "-o", str(partial)]
+            subprocess.run(command, check=True, capture_output=True, text=True, timeout=900)
+            partial.replace(library)  # atomic: a process that skips the lock sees the whole file or none
     log.info("compiled %s", library)
     return library
 

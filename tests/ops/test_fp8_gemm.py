@@ -254,6 +254,37 @@ def test_cutlass_grouped_gemm_replays_in_a_cuda_graph_with_new_groups():
     assert rel_err(captured, block_fp8_grouped_linear_reference(emulated_x, weight, ends)) < KERNEL_TO_EMULATION
 
 
+def _build_with(nvcc: str, cache: str) -> str:
+    import os
+
+    from pdserve.ops import cutlass_fp8
+
+    os.environ["PDSERVE_KERNEL_CACHE"] = cache
+    return str(cutlass_fp8._build(nvcc, []))
+
+
+def test_cutlass_library_is_compiled_once_by_processes_that_start_together(tmp_path):
+    """Four processes (an EP instance's ranks on one host) ask for the library at once: one runs the compiler (a
+    stand-in for nvcc that logs each compile and takes a second), the others wait for its lock and load the same
+    file."""
+    import multiprocessing
+
+    nvcc = tmp_path / "nvcc"
+    compiles = tmp_path / "compiles"
+    nvcc.write_text(f"""#!/bin/sh
+if [ "$1" = "--version" ]; then echo "stand-in nvcc 1.0"; exit 0; fi
+echo compile >> {compiles}
+sleep 1
+while [ "$#" -gt 1 ]; do [ "$1" = "-o" ] && out="$2"; shift; done
+echo library > "$out"
+""")
+    nvcc.chmod(0o755)
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        paths = pool.starmap(_build_with, [(str(nvcc), str(tmp_path / "cache"))] * 4, chunksize=1)
+    assert len(set(paths)) == 1 and open(paths[0]).read() == "library\n"
+    assert compiles.read_text().count("compile") == 1
+
+
 def test_cutlass_kernel_takes_stacked_whole_128_blocks_only():
     from pdserve.ops import cutlass_fp8
 
