@@ -172,7 +172,7 @@ def grouped_kernel(weight: BlockFP8Weight, rows: int, device: torch.device) -> s
 
     if not tma_takes(weight, rows, device):
         return "Triton"
-    if cutlass_fp8.takes(weight.values, weight.block_size) and cutlass_fp8.available(device):
+    if cutlass_fp8.serves(weight.values, weight.block_size, device):
         return "CUTLASS"
     return "Triton TMA"
 

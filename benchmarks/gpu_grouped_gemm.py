@@ -72,7 +72,8 @@ def prefill_sweep(device: torch.device, bf16: bool = True, tilings: tuple[tuple[
     the row gather the MoE layer needs before it) against the Triton kernels: bf16 at its default tiling and each of
     `tilings`; FP8 as served, then the pointer kernel at each of `tilings` (`diagnose`: see the module's notes)."""
     from pdserve.ops.fp8_gemm import block_fp8_grouped_linear_kernels, block_fp8_grouped_linear_reference
-    from pdserve.ops.gemm_triton import GemmTiles, _grouped_gemm, bf16_grouped_gemm, fp8_gemm, quantize_rows, tiles_for
+    from pdserve.ops.gemm_triton import (GemmTiles, _grouped_gemm, bf16_grouped_gemm, fp8_gemm, grouped_fp8_gemm_tma,
+                                         quantize_rows, tiles_for)
 
     sweep = tuple(GemmTiles(*tiles) for tiles in tilings)
 
@@ -116,7 +117,7 @@ def prefill_sweep(device: torch.device, bf16: bool = True, tilings: tuple[tuple[
 
             def triton_tma() -> torch.Tensor:
                 q, scales = quantize_rows(x, 128, row_index=row_index)
-                return fp8_gemm(q, scales, weight, rows=rows, group_ends=ends)
+                return grouped_fp8_gemm_tma(q, scales, weight.values, weight.scale_inv, ends, 128)
             sweep_line(name, tokens, rows, "FP8 quantize + gather, Triton TMA", flops, cublas_us, triton_tma, ref, device)
             for tiles in sweep:  # the pointer kernel, gathering inside
                 def fp8(tiles=tiles) -> torch.Tensor:

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from pdserve.ops.fp8_gemm import is_sm90
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "grouped_fp8_gemm_sm90.cu"
@@ -106,14 +108,9 @@ def _library() -> ctypes.CDLL | None:
     return library
 
 
-@functools.cache
-def _is_sm90(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) == (9, 0)
-
-
 def available(device: torch.device) -> bool:
     """Whether the kernel runs here: an SM90 GPU and a built library (building it on the first call)."""
-    return device.type == "cuda" and _is_sm90(device) and _library() is not None
+    return device.type == "cuda" and is_sm90(device) and _library() is not None
 
 
 def takes(values: torch.Tensor, block_size: tuple[int, int]) -> bool:
@@ -121,6 +118,11 @@ def takes(values: torch.Tensor, block_size: tuple[int, int]) -> bool:
     if values.dim() != 3 or not values.is_contiguous() or block_size != (SCALE_BLOCK, SCALE_BLOCK):
         return False
     return values.shape[1] % SCALE_BLOCK == 0 and values.shape[2] % SCALE_BLOCK == 0
+
+
+def serves(values: torch.Tensor, block_size: tuple[int, int], device: torch.device) -> bool:
+    """Whether the kernel serves a grouped product of these weights here: takes() and available()."""
+    return takes(values, block_size) and available(device)
 
 
 def grouped_fp8_gemm(q: torch.Tensor, scales: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor,

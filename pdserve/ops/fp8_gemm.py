@@ -52,7 +52,7 @@ def block_fp8_linear_emulated(x: torch.Tensor, weight: BlockFP8Weight) -> torch.
 
 
 @functools.cache
-def _is_sm90(device: torch.device) -> bool:
+def is_sm90(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
 
 
@@ -63,7 +63,7 @@ def cublas_takes(weight: BlockFP8Weight, device: torch.device) -> bool:
     if weight.values.dim() != 2 or weight.block_size != CUBLAS_BLOCK:
         return False
     n, k = weight.shape
-    return n % CUBLAS_BLOCK[0] == 0 and k % (4 * CUBLAS_BLOCK[1]) == 0 and _is_sm90(device)
+    return n % CUBLAS_BLOCK[0] == 0 and k % (4 * CUBLAS_BLOCK[1]) == 0 and is_sm90(device)
 
 
 def block_fp8_linear_cublas(x: torch.Tensor, weight: BlockFP8Weight) -> torch.Tensor:
@@ -121,7 +121,7 @@ def grouped_fp8_gemm_sorted(q: torch.Tensor, scales: torch.Tensor, values: torch
     from pdserve.ops import cutlass_fp8
     from pdserve.ops.gemm_triton import grouped_fp8_gemm_tma
 
-    if cutlass_fp8.takes(values, (block_n, block_k)) and cutlass_fp8.available(q.device):
+    if cutlass_fp8.serves(values, (block_n, block_k), q.device):
         return cutlass_fp8.grouped_fp8_gemm(q, scales, values, scale_inv, group_ends)
     return grouped_fp8_gemm_tma(q, scales, values, scale_inv, group_ends, block_k)
 

@@ -228,9 +228,10 @@ def _has_tma(device: torch.device) -> bool:
 
 
 def tma_takes(weight: BlockFP8Weight, rows: int, device: torch.device) -> bool:
-    """Whether a grouped product of `rows` rows sorted by group takes the TMA kernel: its tiles (tiles_for) as wide
-    as a weight block, so each K step has one weight scale; whole K blocks; stacked weights contiguous (a 2-D
-    descriptor over them); a GPU with TMA. Its rows must be gathered beforehand (quantize_rows(row_index=...))."""
+    """Whether a grouped product of `rows` rows sorted by group takes a kernel for sorted rows (CUTLASS's or
+    grouped_fp8_gemm_tma): its tiles (tiles_for) as wide as a weight block, i.e. over 32 rows per group, so each K
+    step has one weight scale; whole K blocks; stacked weights contiguous (a 2-D descriptor over them); a GPU with
+    TMA. Its rows must be gathered beforehand (quantize_rows(row_index=...))."""
     values = weight.values
     groups, n, k = values.shape if values.dim() == 3 else (0, 0, 0)
     return (groups > 0 and tiles_for(rows / groups).block_n == weight.block_size[0] and k % weight.block_size[1] == 0
@@ -252,9 +253,6 @@ def fp8_gemm(q: torch.Tensor, scales: torch.Tensor, weight: BlockFP8Weight, rows
         raise ValueError("FP8 weights must be contiguous along K, with a contiguous scale grid")
     if block_k & (block_k - 1):
         raise ValueError(f"the Triton FP8 GEMM takes K blocks of a power of two, got {block_k}")
-    if group_ends is not None and row_index is None and tiles is None and out_dtype == torch.bfloat16 and \
-            tma_takes(weight, rows, q.device):
-        return grouped_fp8_gemm_tma(q[:rows], scales, values, scale_inv, group_ends, block_k)
     return _grouped_gemm(q, values, rows, group_ends, row_index, out_dtype, block_k,
                          (scales, scale_inv, weight.block_size[0]), tiles)
 

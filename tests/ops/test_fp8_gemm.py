@@ -196,7 +196,7 @@ def test_sorted_grouped_gemms_match_emulation_and_reference(device):
     """Prefill-sized groups of rows gathered beforehand: our Triton TMA kernel, and on the GPU also the path
     GroupedMoE takes (block_fp8_grouped_linear: CUTLASS's kernel on SM90 where it builds). Groups of a partial tile,
     of several tiles and empty; on the GPU V3's EP8 expert shapes."""
-    from pdserve.ops.gemm_triton import fp8_gemm, tma_takes
+    from pdserve.ops.gemm_triton import grouped_fp8_gemm_tma, tma_takes
 
     if device == "cpu":
         cases = [(150, 2, (4, 256, 384))]
@@ -209,7 +209,8 @@ def test_sorted_grouped_gemms_match_emulation_and_reference(device):
         ends[1] = ends[0]  # group 1 empty
         rows = row_index.numel()
         assert tma_takes(weight, rows, torch.device(device))
-        outputs = {"Triton TMA": fp8_gemm(*kernel_inputs(x[row_index]), weight, rows=rows, group_ends=ends)}
+        outputs = {"Triton TMA": grouped_fp8_gemm_tma(*kernel_inputs(x[row_index]), weight.values, weight.scale_inv,
+                                                      ends, weight.block_size[1])}
         if device == "cuda":
             outputs["as served"] = block_fp8_grouped_linear(x, weight, ends, row_index)
         group = (1, 128)
@@ -232,7 +233,7 @@ def test_cutlass_grouped_gemm_replays_in_a_cuda_graph_with_new_groups():
 
     device = torch.device("cuda")
     weight = random_weight((8, 256, 512), device="cuda")
-    if not (cutlass_fp8.takes(weight.values, weight.block_size) and cutlass_fp8.available(device)):
+    if not cutlass_fp8.serves(weight.values, weight.block_size, device):
         pytest.skip("CUTLASS's grouped FP8 GEMM runs on SM90 with nvcc and flashinfer's headers")
     x = random_activations(600, 512, "cuda")
     ends = torch.tensor([100, 100, 250, 300, 420, 500, 560, 600], dtype=torch.int32, device=device)
