@@ -26,7 +26,7 @@ from pdserve.model.compiled_layers import CompiledLayers, compile_layers
 from pdserve.model.deepseek import DeepseekForCausalLM
 from pdserve.model.loader import build_model
 from pdserve.model.random_init import init_random_weights
-from pdserve.ops.attention import AttentionBatch
+from pdserve.ops.attention import AttentionBatch, new_kv_pool
 from pdserve.ops.select import Backends, select_backends
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "pdserve" / "model" / "configs" / "deepseek-v2-lite.json"
@@ -332,7 +332,7 @@ def main() -> None:
     max_tokens = max(max(batches) * max(contexts), max(prefills), 2 * args.check_tokens)
     num_pages = -(-max_tokens // args.page_size) + max(batches)
     scratch_page = num_pages  # one page past the rest for the graphs' padding rows, as the engine's ModelRunner does
-    kv_cache = torch.empty(cfg.num_hidden_layers, num_pages + 1, args.page_size, cfg.kv_dim, dtype=dtype, device=device)
+    kv_cache = new_kv_pool(cfg.num_hidden_layers, num_pages + 1, args.page_size, cfg.kv_dim, dtype, device)  # the engine's
     for layer_cache in kv_cache:
         layer_cache.normal_()
     log(f"kv pool: {num_pages} pages of {args.page_size}, {kv_cache.numel() * kv_cache.element_size() / 1e9:.1f} GB")

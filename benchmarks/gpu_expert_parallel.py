@@ -40,6 +40,7 @@ from pdserve.model.compiled_layers import compile_layers, wants_compiled_layers
 from pdserve.model.config import ModelConfig
 from pdserve.model.loader import build_model
 from pdserve.model.random_init import init_random_weights
+from pdserve.ops.attention import new_kv_pool
 from pdserve.ops.moe import ExpertRange
 from pdserve.ops.moe_ep import CompiledExpertParallelMoE, ExpertParallelMoE
 from pdserve.ops.select import select_backends
@@ -107,8 +108,8 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
             longest = args.context + (args.iters + PROFILED_STEPS + 2 if args.graphs else 0)
             num_pages = batch_size * -(-longest // args.page_size)
             # one page more: the graphs' scratch page for padding rows
-            kv_cache = torch.randn(cfg.num_hidden_layers, num_pages + 1, args.page_size, cfg.kv_dim, device=device,
-                                   dtype=dtype)
+            kv_cache = new_kv_pool(cfg.num_hidden_layers, num_pages + 1, args.page_size, cfg.kv_dim, dtype,
+                                   device).normal_()
             ids, positions, last_rows = step_inputs(query_lens, kv_lens, cfg.vocab_size, device, seed=rank)
             fixed = moe is not None and args.exchange == "fixed"
             if fixed and not args.graphs:  # a graph holds its own

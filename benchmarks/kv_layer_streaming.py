@@ -27,6 +27,7 @@ import torch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.model.tiny import make_config_only_model
+from pdserve.ops.attention import new_kv_pool
 from pdserve.transfer.backend import open_nixl_backend
 from pdserve.wire.sampling import SamplingParams
 
@@ -47,7 +48,7 @@ def model_dir(device: str) -> str:
 def reader_main(conn: Connection, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: str,
                 progress_thread: bool) -> None:
     """Holds a pool like the writer's, hands out its metadata, stays until told to go."""
-    backend = open_nixl_backend(name, torch.zeros(shape, dtype=dtype, device=device), lambda *_: None,
+    backend = open_nixl_backend(name, new_kv_pool(*shape, dtype, torch.device(device)), lambda *_: None,
                                 progress_thread)
     backend.expect_notifications(1)  # listen closely the whole time
     conn.send(backend.metadata())

@@ -1,6 +1,6 @@
 """KV page write bandwidth between two processes with KVTransferAgent, next to a local torch copy of the
-same pages. Two page patterns: one consecutive run (one descriptor per layer) and every other page
-(one descriptor per page and layer).
+same pages. Two page patterns: one consecutive run (one descriptor) and every other page
+(one descriptor per page).
 
     python benchmarks/kv_transfer_bandwidth.py [--ucx-tls tcp,self] [--device cpu|cuda] [--reader-device cuda:1]
                                                [--no-progress-thread]
@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from pdserve.ops.attention import new_kv_pool
 from pdserve.transfer.agent import KVTransferAgent
 from pdserve.transfer.layout import page_runs
 
@@ -33,7 +34,7 @@ class PoolShape:
     dtype: torch.dtype
 
     def pool(self, num_pages: int, device: str) -> torch.Tensor:
-        return torch.randn(self.num_layers, num_pages, self.page_size, self.kv_dim, device=device).to(self.dtype)
+        return new_kv_pool(self.num_layers, num_pages, self.page_size, self.kv_dim, self.dtype, torch.device(device)).normal_()
 
     @property
     def page_bytes_all_layers(self) -> int:
@@ -132,7 +133,7 @@ def main() -> None:
                     ]
                 ]
                 print(f"{num_bytes / MiB:5.0f} {num_pages:6d} | {gbps[0]:9.2f} {gbps[1]:9.2f} "
-                      f"{num_pages * shape.num_layers:6d} | {gbps[2]:9.2f} {gbps[3]:10.2f}")
+                      f"{num_pages:6d} | {gbps[2]:9.2f} {gbps[3]:10.2f}")  # scattered: a descriptor a page
     finally:
         conn.send("stop")
         reader.join(10)

@@ -16,13 +16,15 @@ import uuid
 
 import torch
 
+from pdserve.ops.attention import new_kv_pool
 from pdserve.transfer.backend import open_nixl_backend
 
 
 def write_seconds(switch_interval_s: float, busy: bool, writes: int, pages: list[int]) -> list[tuple[float, float]]:
     """(seconds, of them before posting) of each write of `pages`, after a first that connects."""
     sys.setswitchinterval(switch_interval_s)
-    writer_kv, reader_kv = torch.randn(8, 64, 16, 576), torch.zeros(8, 64, 16, 576)
+    writer_kv, reader_kv = (new_kv_pool(8, 64, 16, 576, torch.float32, torch.device("cpu")) for _ in range(2))
+    writer_kv.normal_()
     writer = open_nixl_backend(f"w-{uuid.uuid4().hex[:8]}", writer_kv, lambda *_: None, False)
     reader = open_nixl_backend(f"r-{uuid.uuid4().hex[:8]}", reader_kv, lambda *_: None, False)
     stop = threading.Event()

@@ -129,8 +129,7 @@ class DecodeGraphs:
             )
         attention.plan([1] * size, [[self.scratch_page]] * size)  # all padding: a valid plan for warm-up and capture
         ids, positions, slots = self._inputs[:, :size]
-        batch = AttentionBatch(query_lens=[1] * size, kv_lens=[1] * size, slot_mapping=slots, page_size=self.page_size,
-                               page_table=torch.zeros(size, 1, dtype=torch.int64, device=ids.device))  # unused
+        page_table = torch.zeros(size, 1, dtype=torch.int64, device=ids.device)  # unused
         load = self.model.backends.expert_load
         compiled = self.compiled
         backends = Backends(attention=attention, moe=compiled.moe if compiled else self.model.backends.moe,
@@ -138,6 +137,10 @@ class DecodeGraphs:
         regions = compiled.regions if compiled else None
 
         def step() -> torch.Tensor:
+            # A batch per call: what a step derives once into its plans (write_kv's rows from the slots) is then made
+            # inside the capture, from the buffer each replay refills, not kept from the warm-up call.
+            batch = AttentionBatch(query_lens=[1] * size, kv_lens=[1] * size, slot_mapping=slots,
+                                   page_size=self.page_size, page_table=page_table)
             return self.model.compute_logits(self.model(ids, positions, self.kv_cache, batch, backends, regions))
 
         if self.exchange is not None:

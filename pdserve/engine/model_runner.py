@@ -12,7 +12,7 @@ from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledSeq
 from pdserve.model.compiled_layers import CompiledLayers
 from pdserve.model.deepseek import DeepseekForCausalLM
-from pdserve.ops.attention import AttentionBatch
+from pdserve.ops.attention import AttentionBatch, new_kv_pool
 from pdserve.ops.moe_ep import ExpertParallelMoE
 
 
@@ -35,10 +35,10 @@ class ModelRunner:
         self.page_size = page_size
         self.device = device
         self.fixed_exchange = fixed_exchange
-        # One tensor for every layer: [layers, pages, page_size, kv_dim]; NIXL registers it once.
-        # With graphs, one extra page past the allocator's range takes the KV of padding rows.
+        # One tensor for every layer, stored page-major and seen as [layers, pages, page_size, kv_dim]; NIXL registers
+        # it once. With graphs, one extra page past the allocator's range takes the KV of padding rows.
         pool_pages = num_pages + (1 if graphs else 0)
-        self.kv_cache = torch.zeros(cfg.num_hidden_layers, pool_pages, page_size, cfg.kv_dim, dtype=dtype, device=device)
+        self.kv_cache = new_kv_pool(cfg.num_hidden_layers, pool_pages, page_size, cfg.kv_dim, dtype, device)
         self.decode_graphs = DecodeGraphs(model, self.kv_cache, page_size, graphs, num_pages, fixed_exchange,
                                           compiled) if graphs else None
         self.piecewise_graphs = PiecewiseGraphs(model, piecewise, self._eager_backends, self._eager_regions, device,

@@ -127,7 +127,7 @@ class MLAttention(nn.Module):
         new latents to the cache, as the absorbed backends do. Returns [T, H, v_dim]."""
         cfg = self.cfg
         heads, nope, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
-        write_kv(kv_cache, latent, k_pe, batch.slot_mapping)
+        write_kv(kv_cache, latent, k_pe, batch)
         if batch.kv_lens != batch.query_lens:  # some sequence has a cached prefix: its keys come from the pages
             latent, k_pe = gather_kv(kv_cache, batch).split([rank, cfg.qk_rope_head_dim], dim=-1)
         k_nope, v = self.kv_b_proj(latent).view(-1, heads, nope + cfg.v_head_dim).split([nope, cfg.v_head_dim], -1)

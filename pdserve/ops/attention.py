@@ -41,7 +41,7 @@ class AttentionBackend(Protocol):
         q_pe: torch.Tensor,  # [T, H, rope_dim]
         latent: torch.Tensor,  # [T, kv_lora_rank] new tokens' compressed KV
         k_pe: torch.Tensor,  # [T, rope_dim] new tokens' rope key
-        kv_cache: torch.Tensor,  # [num_pages, page_size, kv_lora_rank + rope_dim] this layer's pages
+        kv_cache: torch.Tensor,  # [num_pages, page_size, kv_lora_rank + rope_dim] this layer's pages (strided)
         batch: AttentionBatch,
         softmax_scale: float,
     ) -> torch.Tensor:  # [T, H, kv_lora_rank]
@@ -62,7 +62,8 @@ class AttentionBackend(Protocol):
         ...
 
 
-KV_SLOTS_KEY = "kv_slots"
+KV_SLOTS_KEY = "kv_slots"  # every cached key of each sequence, as (page, row)
+NEW_ROWS_KEY = "kv_new_rows"  # the step's new keys, as (page, row)
 
 
 def gather_kv(kv_cache: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
@@ -75,9 +76,9 @@ def gather_kv(kv_cache: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         total = sum(batch.kv_lens)
         seq = torch.repeat_interleave(torch.arange(len(batch.kv_lens), device=device), kv_lens, output_size=total)
         pos = torch.arange(total, device=device) - (kv_lens.cumsum(0) - kv_lens)[seq]
-        slots = batch.page_table[seq, pos // batch.page_size] * batch.page_size + pos % batch.page_size
+        slots = (batch.page_table[seq, pos // batch.page_size], pos % batch.page_size)
         batch.plans[KV_SLOTS_KEY] = slots
-    return kv_cache.view(-1, kv_cache.shape[-1])[slots]
+    return kv_cache[slots]
 
 
 def host_ints(values: Iterable[int], typecode: str, dtype: torch.dtype) -> torch.Tensor:
@@ -100,16 +101,30 @@ def flat_page_ids(batch: AttentionBatch, pages_per_seq: list[int]) -> torch.Tens
     return batch.page_table.reshape(-1)[positions].to(torch.int32)
 
 
-def write_kv(kv_cache: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    flat = kv_cache.view(-1, kv_cache.shape[-1])
-    flat[slot_mapping] = torch.cat((latent, k_pe), dim=-1).to(kv_cache.dtype)
+def write_kv(kv_cache: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, batch: AttentionBatch) -> None:
+    """Each new token's row into its slot of one layer's pages. A layer is a strided view of the page-major pool, not
+    one flat run of rows, so a slot is addressed as (page, row), split once per step."""
+    rows = batch.plans.get(NEW_ROWS_KEY)
+    if rows is None:
+        rows = batch.plans[NEW_ROWS_KEY] = (batch.slot_mapping // batch.page_size, batch.slot_mapping % batch.page_size)
+    kv_cache[rows] = torch.cat((latent, k_pe), dim=-1).to(kv_cache.dtype)
+
+
+def new_kv_pool(num_layers: int, num_pages: int, page_size: int, kv_dim: int, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    """A rank's KV pool: one tensor stored page-major, [pages, layers, page_size, kv_dim], so that a page's rows of
+    every layer are one byte range and a run of pages is one range for a KV transfer (NIXL's post call costs ~10 us
+    a range; layer-major, a request's pages were a range per layer). Returned as the layer-first view [layers, pages,
+    page_size, kv_dim] the model indexes by layer: each layer's pages are then `layers` page-rows apart, which the
+    attention kernels take as their page stride."""
+    return torch.zeros(num_pages, num_layers, page_size, kv_dim, dtype=dtype, device=device).transpose(0, 1)
 
 
 class TorchAttention:
     """Reference: gathers each sequence's pages and runs causal softmax attention in float32."""
 
     def forward(self, q_latent, q_pe, latent, k_pe, kv_cache, batch: AttentionBatch, softmax_scale: float):
-        write_kv(kv_cache, latent, k_pe, batch.slot_mapping)
+        write_kv(kv_cache, latent, k_pe, batch)
         rank = q_latent.shape[-1]
         out = torch.empty_like(q_latent)
         start = 0

@@ -39,7 +39,7 @@ class FlashInferMLA:
 
         if split_kv.takes(batch):  # what the decode graphs of this size run: eager steps give their tokens
             return split_kv.attend(q_latent, q_pe, latent, k_pe, kv_cache, batch, softmax_scale)
-        write_kv(kv_cache, latent, k_pe, batch.slot_mapping)
+        write_kv(kv_cache, latent, k_pe, batch)
         if self._needs_plan(PLAN_KEY, batch):
             self._plan(q_latent, q_pe, kv_cache, batch, softmax_scale)
         return self.wrapper.run(query=(q_latent, q_pe), kv_cache=kv_cache)
@@ -143,5 +143,5 @@ class FlashInferMLAGraphSlot:
         self._kv_indices[: flat.numel()].copy_(flat, non_blocking=True)
 
     def forward(self, q_latent, q_pe, latent, k_pe, kv_cache, batch: AttentionBatch, softmax_scale: float):
-        write_kv(kv_cache, latent, k_pe, batch.slot_mapping)
+        write_kv(kv_cache, latent, k_pe, batch)
         return self.wrapper.run(query=(q_latent, q_pe), kv_cache=kv_cache)

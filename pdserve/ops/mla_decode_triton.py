@@ -30,7 +30,7 @@ MERGE_VALUES = 4096  # partial values one merge program holds: 32 a thread of it
 
 @triton.jit
 def _split_kernel(q_ptr, q_pe_ptr, kv_ptr, meta_ptr, part_out_ptr, part_lse_ptr, num_seqs,
-                  q_stride_t, q_stride_h, q_pe_stride_t, q_pe_stride_h, kv_row_stride, scale_log2,
+                  q_stride_t, q_stride_h, q_pe_stride_t, q_pe_stride_h, kv_page_stride, kv_row_stride, scale_log2,
                   new_latent_ptr, new_pe_ptr, new_slot_ptr, new_latent_stride, new_pe_stride,
                   HEADS: tl.constexpr, BLOCK_H: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr,
                   PAGE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_NEW: tl.constexpr):
@@ -55,7 +55,8 @@ def _split_kernel(q_ptr, q_pe_ptr, kv_ptr, meta_ptr, part_out_ptr, part_lse_ptr,
         # threads wait at a barrier (which makes the write visible to them) before any of them reads it back.
         last = kv_len - 1
         if (start <= last) & (last < end):
-            slot = tl.load(new_slot_ptr + seq).to(tl.int64) * kv_row_stride
+            slot = tl.load(new_slot_ptr + seq).to(tl.int64)
+            slot = (slot // PAGE) * kv_page_stride + (slot % PAGE) * kv_row_stride
             new_latent = tl.load(new_latent_ptr + seq * new_latent_stride + r)
             tl.store(kv_ptr + slot + r, new_latent.to(kv_ptr.dtype.element_ty))
             new_pe = tl.load(new_pe_ptr + seq * new_pe_stride + e)
@@ -68,7 +69,7 @@ def _split_kernel(q_ptr, q_pe_ptr, kv_ptr, meta_ptr, part_out_ptr, part_lse_ptr,
         t = tile + tl.arange(0, BLOCK_N)
         t_ok = t < end
         page = tl.load(meta_ptr + 2 * num_seqs + first_page + t // PAGE, mask=t_ok, other=0)
-        row = (page.to(tl.int64) * PAGE + t % PAGE) * kv_row_stride
+        row = page.to(tl.int64) * kv_page_stride + (t % PAGE) * kv_row_stride
         latent = tl.load(kv_ptr + row[:, None] + r[None, :], mask=t_ok[:, None], other=0.0)
         k_pe = tl.load(kv_ptr + row[:, None] + RANK + e[None, :], mask=t_ok[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(latent)) + tl.dot(q_pe, tl.trans(k_pe))
@@ -116,9 +117,9 @@ def partials(batch_size: int, num_heads: int, rank: int, device: torch.device) -
 def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: torch.Tensor,
                part_out: torch.Tensor, part_lse: torch.Tensor, page_size: int, softmax_scale: float,
                new_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """One query per sequence: q_latent [B, H, rank], q_pe [B, H, rope], kv_cache [pages, page_size, rank + rope];
-    meta int32 as decode_meta() lays it out; part_out and part_lse from partials() (or any chunk count, a power of
-    two). `new_rows`: (latent [B, rank], k_pe [B, rope], slots [B]): each sequence's last key, written to the cache
+    """One query per sequence: q_latent [B, H, rank], q_pe [B, H, rope], kv_cache [pages, page_size, rank + rope]
+    (one layer of the page-major pool: pages any stride apart); meta int32 as decode_meta() lays it out; part_out and
+    part_lse from partials() (or any chunk count, a power of two). `new_rows`: (latent [B, rank], k_pe [B, rope], slots [B]): each sequence's last key, written to the cache
     here (write_kv's work, without its two kernels) instead of before. Returns [B, H, rank] in q_latent's dtype."""
     num_seqs, heads, rank = q_latent.shape
     rope = q_pe.shape[-1]
@@ -129,7 +130,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
     new_latent, new_pe, new_slots = (t if t.stride(-1) == 1 else t.contiguous() for t in rows)
     _split_kernel[(num_seqs, splits)](
         q_latent, q_pe, kv_cache, meta, part_out, part_lse, num_seqs,
-        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(1),
+        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0), kv_cache.stride(1),
         softmax_scale * LOG2_E, new_latent, new_pe, new_slots, new_latent.stride(0), new_pe.stride(0),
         HEADS=heads, BLOCK_H=max(16, triton.next_power_of_2(heads)), RANK=rank, ROPE=rope,
         PAGE=page_size, SPLITS=splits, BLOCK_N=BLOCK_N, WRITE_NEW=new_rows is not None, num_warps=4, num_stages=2)

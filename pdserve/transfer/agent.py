@@ -65,7 +65,7 @@ class KVTransferAgent:
         self._nixl = nixl_agent(name, config)
         if "UCX" not in self._nixl.backends:
             raise RuntimeError(f"NIXL agent {name!r}: UCX backend unavailable (plugins: {self._nixl.plugin_list})")
-        self._registration = self._nixl.register_memory(kv)
+        self._registration = self._nixl.register_memory(kv.transpose(0, 1))  # the page-major tensor: contiguous
         self._peers: dict[str, _Peer] = {}
         self._in_flight: set[TransferHandle] = set()
         self._closed = False

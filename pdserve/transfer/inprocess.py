@@ -11,7 +11,7 @@ import torch
 
 from pdserve.transfer.backend import OnNotification, WriteResult
 from pdserve.transfer.errors import TransferError, TransferTimeout
-from pdserve.transfer.layout import PoolLayout, check_page_ids, page_runs
+from pdserve.transfer.layout import PoolLayout, check_page_ids, page_runs, run_descriptors
 from pdserve.transfer.metadata import METADATA_VERSION, AgentMetadata, decode_metadata, encode_metadata
 
 
@@ -103,7 +103,8 @@ class InProcessBackend:
         if not faults.drop_notifications:
             peer._on_notification(self.name, notif)
         num_bytes = len(src) * len(layers) * self.layout.page_bytes
-        return WriteResult(num_bytes, len(page_runs(src, dst)) * len(layers), time.monotonic() - posted_s)
+        descriptors = len(run_descriptors(self.layout, page_runs(src, dst), layers, "src"))
+        return WriteResult(num_bytes, descriptors, time.monotonic() - posted_s)
 
     def expect_notifications(self, count: int) -> None:
         pass  # notifications are delivered by the writer's thread; nothing to listen for

@@ -1,7 +1,10 @@
 """Where a KV page pool lives in memory, and the NIXL descriptors that cover a set of its pages.
 
-A pool is one contiguous tensor kv[num_layers, num_pages, page_size, kv_dim]; a page of a request is the slice
-kv[l, p] of every layer l, so one page is `num_layers` separate byte ranges, `layer_bytes` apart.
+A pool is one tensor stored page-major, [num_pages, num_layers, page_size, kv_dim], and handed around as its
+layer-first view kv[num_layers, num_pages, ...] (pdserve.ops.attention.new_kv_pool). A page's rows of every layer
+are one byte range of `page_stride` bytes, and a run of consecutive pages is one range: a request's whole KV moves
+with a descriptor per run of pages, where layer-major it took one per run and layer (NIXL's post call costs ~10 us a
+descriptor).
 """
 
 from collections.abc import Sequence
@@ -25,10 +28,11 @@ class PoolLayout:
 
     @classmethod
     def of_pool(cls, kv: torch.Tensor) -> "PoolLayout":
-        if kv.dim() != 4 or not kv.is_contiguous():
+        """kv: the layer-first view [num_layers, num_pages, page_size, kv_dim] of a page-major pool."""
+        if kv.dim() != 4 or not kv.transpose(0, 1).is_contiguous():
             raise ValueError(
-                f"kv pool must be a contiguous [num_layers, num_pages, page_size, kv_dim] tensor, "
-                f"got shape {tuple(kv.shape)} contiguous={kv.is_contiguous()}"
+                f"kv pool must be the [num_layers, num_pages, page_size, kv_dim] view of a page-major tensor, "
+                f"got shape {tuple(kv.shape)} strides {kv.stride()}"
             )
         num_layers, num_pages = kv.shape[0], kv.shape[1]
         on_cpu = kv.device.type == "cpu"
@@ -42,20 +46,17 @@ class PoolLayout:
         )
 
     @property
-    def layer_bytes(self) -> int:
-        return self.num_pages * self.page_bytes
-
-    @property
-    def total_bytes(self) -> int:
-        return self.num_layers * self.layer_bytes
+    def page_stride(self) -> int:
+        """Bytes from one page to the next: the page's rows of every layer."""
+        return self.num_layers * self.page_bytes
 
     def page_addr(self, layer: int, page: int) -> int:
-        return self.base_addr + layer * self.layer_bytes + page * self.page_bytes
+        return self.base_addr + page * self.page_stride + layer * self.page_bytes
 
 
 @dataclass(frozen=True, slots=True)
 class PageRun:
-    """`num_pages` pages that are consecutive on both sides: one descriptor per layer moves them all."""
+    """`num_pages` pages that are consecutive on both sides: one descriptor moves them all (every layer)."""
 
     src_start: int
     dst_start: int
@@ -83,16 +84,22 @@ def page_runs(src_page_ids: Sequence[int], dst_page_ids: Sequence[int]) -> list[
 
 
 def run_descriptors(layout: PoolLayout, runs: Sequence[PageRun], layers: range, side: Literal["src", "dst"]) -> np.ndarray:
-    """Nx3 (address, length, device id) rows: layer-major, one row per (layer, run).
+    """Nx3 (address, length, device id) rows: one per run when `layers` is every layer; else one per page (the
+    page's rows of those layers, one range; the next page's are a page stride further).
 
-    Built for the source and the destination pool separately, in the same order, so row i of one side
-    pairs with row i of the other even though the two pools differ in num_pages (hence layer stride)."""
+    Built for the source and the destination pool separately, in the same order, so row i of one side pairs with
+    row i of the other."""
     starts = np.array([r.src_start if side == "src" else r.dst_start for r in runs], dtype=np.uint64)
-    lengths = np.array([r.num_pages for r in runs], dtype=np.uint64) * np.uint64(layout.page_bytes)
-    layer_offsets = np.array(layers, dtype=np.uint64) * np.uint64(layout.layer_bytes)
-    addrs = np.uint64(layout.base_addr) + layer_offsets[:, None] + starts[None, :] * np.uint64(layout.page_bytes)
-    descs = np.empty((len(layers) * len(runs), 3), dtype=np.uint64)
-    descs[:, 0] = addrs.reshape(-1)
-    descs[:, 1] = np.tile(lengths, len(layers))
+    counts = np.array([r.num_pages for r in runs], dtype=np.uint64)
+    stride = np.uint64(layout.page_stride)
+    if len(layers) == layout.num_layers:
+        addrs, lengths = np.uint64(layout.base_addr) + starts * stride, counts * stride
+    else:  # each page on its own: the pages of a run are not adjacent in these layers
+        pages = np.concatenate([np.arange(s, s + n, dtype=np.uint64) for s, n in zip(starts, counts)])
+        addrs = np.uint64(layout.base_addr) + pages * stride + np.uint64(layers.start * layout.page_bytes)
+        lengths = np.full(len(pages), len(layers) * layout.page_bytes, dtype=np.uint64)
+    descs = np.empty((len(addrs), 3), dtype=np.uint64)
+    descs[:, 0] = addrs
+    descs[:, 1] = lengths
     descs[:, 2] = layout.device_id
     return descs

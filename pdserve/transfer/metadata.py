@@ -7,7 +7,7 @@ import msgspec
 
 from pdserve.transfer.layout import PoolLayout
 
-METADATA_VERSION = 1
+METADATA_VERSION = 2  # 2: page-major pools (a peer of version 1 would address its pages layer-major)
 
 
 class AgentMetadata(msgspec.Struct, frozen=True):

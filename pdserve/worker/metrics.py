@@ -54,7 +54,7 @@ class WorkerMetrics:
             "pdserve_kv_transfer_bytes": ("KV bytes written to decode ranks", lambda s, c: c.kv_transfer_bytes),
             "pdserve_kv_transfer_failures": ("KV transfers that failed or timed out",
                                              lambda s, c: c.kv_transfer_failures),
-            "pdserve_kv_transfer_descriptors": ("Byte ranges the KV writes moved (one per layer and page run)",
+            "pdserve_kv_transfer_descriptors": ("Byte ranges the KV writes moved (one per run of pages)",
                                                 lambda s, c: c.kv_transfer_descriptors),
             "pdserve_kv_transfer_posting_seconds": (
                 "Seconds of the KV writes' time before NIXL had them (the transfer thread's queue and the "

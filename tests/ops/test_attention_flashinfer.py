@@ -1,13 +1,14 @@
 import pytest
 import torch
 
-from pdserve.ops.attention import AttentionBatch, TorchAttention
+from pdserve.ops.attention import AttentionBatch, TorchAttention, new_kv_pool
 
 HEADS, RANK, ROPE = 16, 512, 64
 
 
 def make_step(query_lens, cached_lens, page_size, device, seed=0):
-    """Random queries and new KV for each sequence, over a randomly filled, scattered page pool."""
+    """Random queries and new KV for each sequence, over a randomly filled, scattered page pool: one layer of a
+    page-major pool of three, as an engine's (its pages strided; the reference runs on a contiguous copy)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     kv_lens = [c + q for c, q in zip(cached_lens, query_lens)]
     pages_needed = [-(-n // page_size) for n in kv_lens]
@@ -20,7 +21,9 @@ def make_step(query_lens, cached_lens, page_size, device, seed=0):
         slots.extend(table[p // page_size] * page_size + p % page_size for p in range(cached, n_kv))
     tokens = sum(query_lens)
     bf16 = dict(device=device, dtype=torch.bfloat16)
-    kv_cache = torch.randn(num_pages, page_size, RANK + ROPE, generator=gen).to(**bf16)
+    pool = new_kv_pool(3, num_pages, page_size, RANK + ROPE, torch.bfloat16, torch.device(device))
+    pool.copy_(torch.randn(3, num_pages, page_size, RANK + ROPE, generator=gen))
+    kv_cache = pool[1]
     inputs = [torch.randn(tokens, HEADS, RANK, generator=gen), torch.randn(tokens, HEADS, ROPE, generator=gen),
               torch.randn(tokens, RANK, generator=gen), torch.randn(tokens, ROPE, generator=gen)]
     batch = AttentionBatch(query_lens=list(query_lens), kv_lens=kv_lens,

@@ -7,9 +7,10 @@ wrong): `TRITON_INTERPRET=1` with check_matches_reference("cpu", ..., dtype=torc
 import pytest
 import torch
 
-from pdserve.ops.attention import AttentionBatch, TorchAttention
+from pdserve.ops.attention import AttentionBatch, TorchAttention, new_kv_pool
 
 HEADS, RANK, ROPE = 16, 512, 64
+LAYERS = 3  # the cache is the middle layer of a page-major pool: its pages are strided
 
 
 def check_matches_reference(device: str, kv_lens: list[int], page_size: int, splits: int,
@@ -25,7 +26,9 @@ def check_matches_reference(device: str, kv_lens: list[int], page_size: int, spl
     for n in pages_per_seq:
         page_ids.append(ids[taken : taken + n])
         taken += n
-    kv_cache = torch.randn(num_pages, page_size, RANK + ROPE, generator=gen).to(device, dtype)
+    pool = new_kv_pool(LAYERS, num_pages, page_size, RANK + ROPE, dtype, torch.device(device))
+    pool.copy_(torch.randn(LAYERS, num_pages, page_size, RANK + ROPE, generator=gen))
+    kv_cache = pool[1]
     q_latent = torch.randn(len(kv_lens), HEADS, RANK, generator=gen).to(device, dtype)
     q_pe = torch.randn(len(kv_lens), HEADS, ROPE, generator=gen).to(device, dtype)
     scale = 0.07
@@ -39,7 +42,7 @@ def check_matches_reference(device: str, kv_lens: list[int], page_size: int, spl
     page_table = torch.tensor([p + [0] * (width - len(p)) for p in page_ids], dtype=torch.int64, device=device)
     last = [page_ids[i][(n - 1) // page_size] * page_size + (n - 1) % page_size for i, n in enumerate(kv_lens)]
     slots = torch.tensor(last, dtype=torch.int64, device=device)
-    newest = kv_cache.view(-1, RANK + ROPE)[slots]
+    newest = kv_cache[slots // page_size, slots % page_size]
     batch = AttentionBatch(query_lens=[1] * len(kv_lens), kv_lens=kv_lens, page_table=page_table,
                            slot_mapping=slots, page_size=page_size)
     ref = TorchAttention().forward(q_latent, q_pe, newest[:, :RANK], newest[:, RANK:], kv_cache, batch, scale)
@@ -51,11 +54,11 @@ def check_matches_reference(device: str, kv_lens: list[int], page_size: int, spl
     # metadata on the written cache, at the chunk count both use, and the cache write_kv would have left.
     standard = mla_decode(q_latent, q_pe, kv_cache, meta, *partials(len(kv_lens), HEADS, RANK, device), page_size,
                           scale)
-    unwritten = kv_cache.clone()
-    unwritten.view(-1, RANK + ROPE)[slots] = float("nan")
-    newest = newest.clone()
+    unwritten_pool = pool.clone()  # strides kept: a page-major pool too
+    unwritten = unwritten_pool[1]
+    unwritten[slots // page_size, slots % page_size] = float("nan")
     assert torch.equal(attend(q_latent, q_pe, newest[:, :RANK], newest[:, RANK:], unwritten, batch, scale), standard)
-    assert torch.equal(unwritten, kv_cache)
+    assert torch.equal(unwritten_pool, pool)  # the newest keys written where write_kv would, no other layer touched
 
 
 @pytest.mark.gpu

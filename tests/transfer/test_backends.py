@@ -18,7 +18,8 @@ WAIT_S = 10.0
 
 
 def pool(num_pages: int, seed: int) -> torch.Tensor:
-    return torch.randn(NUM_LAYERS, num_pages, PAGE_SIZE, KV_DIM, generator=torch.Generator().manual_seed(seed))
+    # page-major, seen layer-first, as an engine's pool (pdserve.ops.attention.new_kv_pool)
+    return torch.randn(num_pages, NUM_LAYERS, PAGE_SIZE, KV_DIM, generator=torch.Generator().manual_seed(seed)).transpose(0, 1)
 
 
 class Notifications:
@@ -66,7 +67,7 @@ def test_a_write_lands_exactly_and_notifies_once_from_the_backend_thread(pair):
     assert (writer_name, payload) == (writer.name, b"req-1")
     assert thread_name.startswith("kv-transfer-")
     assert result.num_bytes == len(src) * NUM_LAYERS * PAGE_SIZE * KV_DIM * 4
-    assert result.num_descriptors == 2 * NUM_LAYERS  # runs 0-2 -> 3-5 and 7 -> 19, per layer
+    assert result.num_descriptors == 2  # runs 0-2 -> 3-5 and 7 -> 19, each with every layer in one range
     assert 0.0 <= result.queued_seconds <= result.posting_seconds
     assert 0.0 <= result.post_call_seconds and result.posting_seconds + result.post_call_seconds <= result.seconds
     expected[:, dst] = writer_kv[:, src]
@@ -141,7 +142,7 @@ def test_a_lost_notification_still_moves_the_bytes():
 def test_a_peer_with_another_page_shape_is_refused():
     fabric = InProcessFabric()
     writer = InProcessBackend("w", pool(12, seed=0), lambda *_: None, fabric)
-    other = InProcessBackend("o", torch.zeros(NUM_LAYERS, 4, PAGE_SIZE, KV_DIM * 2), lambda *_: None, fabric)
+    other = InProcessBackend("o", torch.zeros(4, NUM_LAYERS, PAGE_SIZE, KV_DIM * 2).transpose(0, 1), lambda *_: None, fabric)
     with pytest.raises(ValueError, match="not the same model"):
         writer.add_peer(other.metadata()).result(WAIT_S)
     writer.close()

@@ -3,6 +3,7 @@ import random
 import pytest
 import torch
 
+from pdserve.ops.attention import new_kv_pool
 from pdserve.transfer.layout import PoolLayout, check_page_ids, page_runs, run_descriptors
 
 
@@ -37,13 +38,13 @@ def test_coalesced_descriptors_move_the_same_pages_as_one_descriptor_per_page_an
 
     naive = [(src.page_addr(l, s), dst.page_addr(l, d)) for l in layers for s, d in zip(src_ids, dst_ids)]
     assert sorted(_page_pairs_of(src, dst, local, remote)) == sorted(naive)
-    assert len(local) == len(layers) * len(runs)
+    assert len(local) == (len(runs) if len(layers) == src.num_layers else count)
 
 
-def test_consecutive_pages_become_one_descriptor_per_layer():
+def test_consecutive_pages_become_one_descriptor_for_every_layer():
     runs = page_runs([4, 5, 6, 7], [10, 11, 12, 13])
     descs = run_descriptors(_layout(30, 0), runs, range(4), "dst")
-    assert len(runs) == 1 and descs[:, 1].tolist() == [4 * 96] * 4
+    assert len(runs) == 1 and descs[:, :2].tolist() == [[10 * 4 * 96, 4 * 4 * 96]]
 
 
 def test_a_break_on_either_side_splits_a_run():
@@ -59,9 +60,9 @@ def test_mismatched_or_out_of_range_page_ids_are_rejected():
 
 
 def test_layout_of_a_pool_tensor_gives_the_address_of_every_page():
-    kv = torch.zeros(3, 7, 4, 8, dtype=torch.bfloat16)
+    kv = new_kv_pool(3, 7, 4, 8, torch.bfloat16, torch.device("cpu"))
     layout = PoolLayout.of_pool(kv)
     assert layout.page_bytes == 4 * 8 * 2 and layout.mem_type == "DRAM"
-    assert layout.page_addr(2, 5) == kv[2, 5].data_ptr()
-    with pytest.raises(ValueError, match="contiguous"):
-        PoolLayout.of_pool(kv.transpose(0, 1))
+    assert all(layout.page_addr(layer, page) == kv[layer, page].data_ptr() for layer in range(3) for page in range(7))
+    with pytest.raises(ValueError, match="page-major"):  # layer-major: a run of pages would be a range per layer
+        PoolLayout.of_pool(torch.zeros(3, 7, 4, 8))

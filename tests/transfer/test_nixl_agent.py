@@ -18,7 +18,8 @@ STEP_TIMEOUT_S = 10.0
 
 def _pool(num_pages: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(NUM_LAYERS, num_pages, PAGE_SIZE, KV_DIM, generator=generator).to(dtype)
+    # page-major, seen layer-first, as an engine's pool (pdserve.ops.attention.new_kv_pool)
+    return torch.randn(num_pages, NUM_LAYERS, PAGE_SIZE, KV_DIM, generator=generator).to(dtype).transpose(0, 1)
 
 
 def _reader_main(
@@ -156,7 +157,7 @@ def test_adding_a_known_peer_again_returns_the_cached_name(writer_pool):
 
 
 def test_a_peer_with_another_page_shape_is_refused(writer_pool):
-    other_model = torch.zeros(NUM_LAYERS, READER_PAGES, PAGE_SIZE, KV_DIM * 2)
+    other_model = torch.zeros(READER_PAGES, NUM_LAYERS, PAGE_SIZE, KV_DIM * 2).transpose(0, 1)
     with _writer(writer_pool) as writer, _writer(other_model) as reader:
         with pytest.raises(ValueError, match="not the same model"):
             writer.add_peer(reader.metadata())
