@@ -20,17 +20,17 @@ OnNotification = Callable[[str, bytes], None]
 @dataclass(frozen=True)
 class WriteResult:
     num_bytes: int
-    num_descriptors: int  # byte ranges moved: one per (layer, run of pages consecutive on both sides)
+    num_descriptors: int  # byte ranges moved: one per run of pages consecutive on both sides
     seconds: float  # from asking for the write to seeing it complete (its wait to be posted included)
-    # Of those, from asking until NIXL had the write: the wait for the transfer thread and the descriptors' making
-    # (0 where a backend moves the bytes as it is asked).
+    # Of those, from asking until NIXL had the write: the wait for the agent and the descriptors' making (0 where a
+    # backend moves the bytes as it is asked).
     posting_seconds: float = 0.0
-    queued_seconds: float = 0.0  # of posting_seconds, the wait for the transfer thread to take the write up
+    queued_seconds: float = 0.0  # of posting_seconds, the wait for the agent (another thread's call into it)
     post_call_seconds: float = 0.0  # NIXL's post call (after posting_seconds; then the bytes are in flight)
 
 
 class TransferBackend(Protocol):
-    """Thread-safe: every method may be called from any thread and returns at once."""
+    """Thread-safe: every method may be called from any thread and returns without waiting for a transfer."""
 
     name: str  # unique per start, so that peers learn a restarted rank afresh
 

@@ -1,10 +1,13 @@
-"""A NIXL agent driven by a transfer thread of its own, off the rank's step loop: it posts the writes it is handed,
-watches them complete and collects the notifications of writes into this pool, and reports both as events.
+"""A NIXL agent shared by the callers, who post their writes themselves, and a transfer thread of the backend's own,
+which watches the writes complete and collects the notifications of writes into this pool, and reports both as events.
 
-The agent is not thread-safe, so only this thread touches it. While writes are in flight or notifications are
-awaited the thread checks NIXL every 10 to 50 us while writes are in flight (they take about a millisecond) and up to
-every 500 us while it only awaits notifications (for as long as a prefill computes); otherwise it sleeps on its
-command queue. Without NIXL's own progress thread these checks are also what advances UCX (docs/transfer.md).
+The agent is not thread-safe, so every call into it holds one lock. A write is posted in the thread that asks for it
+(the rank's event loop): handing it to the transfer thread instead made it wait for that thread to wake and get the
+GIL from a step thread running Python, 1-2 ms a write under load (docs/transfer.md). While writes are in flight or
+notifications are awaited the thread checks NIXL every 10 to 50 us while writes are in flight (they take about a
+millisecond) and up to every 500 us while it only awaits notifications (for as long as a prefill computes);
+otherwise it sleeps on its command queue. Without NIXL's own progress thread these checks are also what advances UCX
+(docs/transfer.md).
 """
 
 import logging
@@ -34,7 +37,7 @@ class _Write:
     handle: TransferHandle
     future: Future
     requested_s: float  # monotonic, when write() was called: the time a write takes includes its wait to be posted
-    taken_s: float  # when the transfer thread took it up
+    taken_s: float  # when the caller had the agent's lock
     deadline_s: float
 
 
@@ -44,8 +47,9 @@ class NixlBackend:
         self._agent = KVTransferAgent(name, kv, progress_thread)
         self._metadata = self._agent.metadata()
         self._on_notification = on_notification
+        self._lock = threading.Lock()  # held by every call into the agent, and for `_writes`
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._writes: list[_Write] = []  # posted, not complete; the thread's own
+        self._writes: list[_Write] = []  # posted, not complete
         self._expected = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-transfer-{name}", daemon=True)
@@ -60,7 +64,9 @@ class NixlBackend:
         def learn() -> None:
             if future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(self._agent.add_peer(blob))
+                    with self._lock:
+                        name = self._agent.add_peer(blob)
+                    future.set_result(name)
                 except Exception as error:  # noqa: BLE001 - handed to the caller
                     future.set_exception(error)
 
@@ -69,38 +75,39 @@ class NixlBackend:
 
     def write(self, peer: str, src_page_ids: Sequence[int], dst_page_ids: Sequence[int], notif: bytes,
               timeout_s: float, layers: range | None = None) -> Future[WriteResult]:
+        """Posts the write here and now (NIXL's post call returns at once; a page-major write is one byte range a run
+        of pages); the transfer thread resolves the future when the write completes."""
         future: Future[WriteResult] = Future()
-        src, dst = list(src_page_ids), list(dst_page_ids)
         requested_s = time.monotonic()
-
-        def post() -> None:
-            if not future.set_running_or_notify_cancel():
-                return
+        with self._lock:
             taken_s = time.monotonic()
+            if self._stop.is_set():
+                future.set_exception(TransferError(f"transfer backend {self.name} closed"))
+                return future
             try:
-                handle = self._agent.write_pages(peer, src, dst, notif, layers)
+                handle = self._agent.write_pages(peer, list(src_page_ids), list(dst_page_ids), notif, layers)
             except Exception as error:  # noqa: BLE001 - handed to the caller
                 future.set_exception(error)
-                return
+                return future
             self._writes.append(_Write(handle, future, requested_s, taken_s, handle.started_s + timeout_s))
-
-        self._commands.put(post)
+        self._commands.put(_wake)  # the thread may be asleep on its queue: it watches the write from now on
         return future
 
     def expect_notifications(self, count: int) -> None:
         self._expected = count
-        self._commands.put(lambda: None)  # wake the thread if it sleeps on the queue
+        self._commands.put(_wake)
 
     def close(self) -> None:
         if self._stop.is_set():
             return
         self._stop.set()
-        self._commands.put(lambda: None)
+        self._commands.put(_wake)
         self._thread.join(JOIN_TIMEOUT_S)
         if self._thread.is_alive():  # stuck in NIXL: closing the agent under it would be worse than leaking it
             log.error("transfer thread of %s did not stop within %s s; agent left open", self.name, JOIN_TIMEOUT_S)
             return
-        self._agent.close()
+        with self._lock:
+            self._agent.close()
 
     # --- the transfer thread ----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -108,17 +115,22 @@ class NixlBackend:
         while not self._stop.is_set():
             listening = bool(self._writes) or self._expected > 0
             progressed = self._run_commands(wait_s=0.0 if listening else IDLE_WAIT_S)
-            progressed |= self._deliver_notifications()
-            progressed |= self._complete_writes()
+            with self._lock:  # the agent's calls; what they report is handed on after, outside the lock
+                notifications = self._agent.take_notifications()
+                finished = self._finished_writes()
+            progressed |= self._deliver_notifications(notifications)
+            progressed |= self._resolve(finished)
             if progressed or not listening:
                 pause_s = MIN_PAUSE_S
             else:
                 time.sleep(pause_s)
                 pause_s = min(2 * pause_s, MAX_PAUSE_WRITING_S if self._writes else MAX_PAUSE_LISTENING_S)
-        for write in self._writes:
-            self._agent.release(write.handle)
+        with self._lock:
+            unfinished, self._writes = self._writes, []
+            for write in unfinished:
+                self._agent.release(write.handle)
+        for write in unfinished:
             write.future.set_exception(TransferError(f"transfer backend {self.name} closed"))
-        self._writes.clear()
 
     def _run_commands(self, wait_s: float) -> bool:
         try:
@@ -135,8 +147,7 @@ class NixlBackend:
             except queue.Empty:
                 return True
 
-    def _deliver_notifications(self) -> bool:
-        notifications = self._agent.take_notifications()
+    def _deliver_notifications(self, notifications: list[tuple[str, bytes]]) -> bool:
         for writer, payload in notifications:
             try:
                 self._on_notification(writer, payload)
@@ -144,14 +155,23 @@ class NixlBackend:
                 log.exception("notification handler failed on %s", self.name)
         return bool(notifications)
 
-    def _complete_writes(self) -> bool:
+    def _finished_writes(self) -> list[tuple[_Write, str]]:
+        """The writes done, failed or past their deadline (cancelled), each with its state, released and taken out
+        of `_writes` (under the lock)."""
         finished = []
         for write in self._writes:
             state = self._agent.poll(write.handle)
             if state == "pending" and time.monotonic() < write.deadline_s:
                 continue
-            finished.append(write)
+            finished.append((write, state))
             self._agent.release(write.handle)  # cancels one still pending
+        if finished:
+            done = {id(write) for write, _ in finished}
+            self._writes = [w for w in self._writes if id(w) not in done]
+        return finished
+
+    def _resolve(self, finished: list[tuple[_Write, str]]) -> bool:
+        for write, state in finished:
             handle = write.handle
             if state == "done":
                 seconds = time.monotonic() - write.requested_s
@@ -164,6 +184,8 @@ class NixlBackend:
             else:
                 write.future.set_exception(TransferTimeout(
                     f"write of {handle.num_bytes} bytes to {handle.peer!r} not done within its deadline"))
-        if finished:
-            self._writes = [w for w in self._writes if w not in finished]
         return bool(finished)
+
+
+def _wake() -> None:
+    """A command that does nothing: it wakes the transfer thread from its wait on the queue."""

@@ -60,7 +60,7 @@ class WorkerMetrics:
                 "Seconds of the KV writes' time before NIXL had them (the transfer thread's queue and the "
                 "descriptors' making), summed", lambda s, c: c.kv_transfer_posting_seconds),
             "pdserve_kv_transfer_queued_seconds": (
-                "Of the KV writes' time before NIXL had them, the wait for the transfer thread, summed",
+                "Of the KV writes' time before NIXL had them, the wait for the agent (another thread's call), summed",
                 lambda s, c: c.kv_transfer_queued_seconds),
             "pdserve_kv_transfer_post_call_seconds": ("Seconds in NIXL's post call of the KV writes, summed",
                                                       lambda s, c: c.kv_transfer_post_call_seconds),

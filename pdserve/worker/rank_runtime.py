@@ -82,7 +82,7 @@ class RankConfig:
     internal_token: str = field(default="", repr=False)  # sent on this rank's calls to prefill workers
     nixl_progress_thread: bool | None = None  # None: on for a GPU pool, off on the CPU (docs/transfer.md)
     warmup: bool = True  # run every kernel variant once before the rank reports ready
-    gil_switch_interval_s: float = 0.0005  # sys.setswitchinterval of the rank's process (see RankActor)
+    gil_switch_interval_s: float = 0.00005  # sys.setswitchinterval of the rank's process (see RankActor)
     test_step_delay_s: float = 0.0  # test hook: after warm-up each step first sleeps this long (a slow kernel)
     clock_margin_s: float = CLOCK_MARGIN_S  # how far host clocks may disagree, for write deadlines
     step_trace: str = ""  # trace each busy step to this path's `.{role}.rank{rank}` file once warmed up (step_trace.py)

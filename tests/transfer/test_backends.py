@@ -4,7 +4,9 @@ bytes between two agents of this process; the in-process backend also injects de
 
 import queue
 import threading
+import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -171,9 +173,9 @@ def test_a_vram_write_lands_exactly_on_the_gpu(progress_thread):
         reader.close()
 
 
-def test_a_write_waiting_for_the_transfer_thread_counts_that_wait_as_time_before_posting():
-    """The NIXL backend's thread runs one command at a time: a write asked for while it is busy waits, and that wait
-    is reported apart from the time NIXL took."""
+def test_a_write_waiting_for_the_agent_counts_that_wait_as_time_before_posting():
+    """The NIXL backend's agent takes one call at a time: a write asked for while another thread's call holds it
+    waits, and that wait is reported apart from the time NIXL took."""
     notifications = Notifications()
     suffix = uuid.uuid4().hex[:8]
     writer = open_nixl_backend(f"writer-{suffix}", pool(12, seed=0), lambda *_: None, progress_thread=False)
@@ -181,13 +183,20 @@ def test_a_write_waiting_for_the_transfer_thread_counts_that_wait_as_time_before
     try:
         peer = writer.add_peer(reader.metadata()).result(WAIT_S)
         reader.expect_notifications(1)
-        release = threading.Event()
-        writer._commands.put(lambda: release.wait(WAIT_S))  # a command that holds the thread until released
-        written = writer.write(peer, [0, 1], [2, 3], b"req-1", timeout_s=WAIT_S)
-        threading.Timer(0.2, release.set).start()
-        result = written.result(WAIT_S)
+        with writer._lock:  # another call into the agent, for 0.2 s
+            asked = ThreadPoolExecutor(1).submit(writer.write, peer, [0, 1], [2, 3], b"req-1", timeout_s=WAIT_S)
+            time.sleep(0.2)
+        result = asked.result(WAIT_S).result(WAIT_S)
         assert notifications.next()[1] == b"req-1"
         assert 0.2 <= result.queued_seconds <= result.posting_seconds <= result.seconds
     finally:
         writer.close()
         reader.close()
+
+
+def test_a_write_after_close_fails_at_once():
+    writer = open_nixl_backend(f"writer-{uuid.uuid4().hex[:8]}", pool(12, seed=0), lambda *_: None,
+                               progress_thread=False)
+    writer.close()
+    with pytest.raises(TransferError, match="closed"):
+        writer.write("anyone", [0], [0], b"late", timeout_s=WAIT_S).result(WAIT_S)
