@@ -14,11 +14,11 @@ class PageAllocator:
 
     A request's pages go out as one run of consecutive ids where the pool has a free run that long (the lowest
     one), else lowest id first, in ascending order. A KV transfer moves each run of pages consecutive on both
-    sides with one descriptor (the pool is page-major), and NIXL's post call costs ~10 us per descriptor: lowest-first alone fills
-    the holes finished requests left, so a busy pool handed a 42-page request ~5 runs, and a free list used as a
-    stack handed freed pages back in descending order (one descriptor per page, ~12 GB/s instead of ~200 on an
-    NVLink pair). Free pages are a byte map searched in C (`bytearray.find`): O(pages) bytes scanned per request,
-    plus validating the whole request first, so a bad call changes nothing.
+    sides with one descriptor (the pool is page-major), and NIXL's post call costs ~10 us per descriptor:
+    lowest-first alone fills the holes finished requests left, so a busy pool handed a 42-page request ~5 runs, and a
+    free list used as a stack handed freed pages back in descending order (one descriptor per page, ~12 GB/s instead
+    of ~200 on an NVLink pair). Free pages are a byte map searched in C (`bytearray.find`): O(pages) bytes scanned
+    per request, plus validating the whole request first, so a bad call changes nothing.
     """
 
     def __init__(self, num_pages: int):

@@ -119,8 +119,9 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
                new_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One query per sequence: q_latent [B, H, rank], q_pe [B, H, rope], kv_cache [pages, page_size, rank + rope]
     (one layer of the page-major pool: pages any stride apart); meta int32 as decode_meta() lays it out; part_out and
-    part_lse from partials() (or any chunk count, a power of two). `new_rows`: (latent [B, rank], k_pe [B, rope], slots [B]): each sequence's last key, written to the cache
-    here (write_kv's work, without its two kernels) instead of before. Returns [B, H, rank] in q_latent's dtype."""
+    part_lse from partials() (or any chunk count, a power of two). `new_rows`: (latent [B, rank], k_pe [B, rope],
+    slots [B]): each sequence's last key, written to the cache here (write_kv's work, without its kernels) instead of
+    before. Returns [B, H, rank] in q_latent's dtype."""
     num_seqs, heads, rank = q_latent.shape
     rope = q_pe.shape[-1]
     splits = part_lse.shape[1]

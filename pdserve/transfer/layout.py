@@ -95,7 +95,8 @@ def run_descriptors(layout: PoolLayout, runs: Sequence[PageRun], layers: range, 
     if len(layers) == layout.num_layers:
         addrs, lengths = np.uint64(layout.base_addr) + starts * stride, counts * stride
     else:  # each page on its own: the pages of a run are not adjacent in these layers
-        pages = np.concatenate([np.arange(s, s + n, dtype=np.uint64) for s, n in zip(starts, counts)])
+        pages = np.concatenate([np.empty(0, np.uint64),
+                                *(np.arange(s, s + n, dtype=np.uint64) for s, n in zip(starts, counts))])
         addrs = np.uint64(layout.base_addr) + pages * stride + np.uint64(layers.start * layout.page_bytes)
         lengths = np.full(len(pages), len(layers) * layout.page_bytes, dtype=np.uint64)
     descs = np.empty((len(addrs), 3), dtype=np.uint64)

@@ -66,3 +66,8 @@ def test_layout_of_a_pool_tensor_gives_the_address_of_every_page():
     assert all(layout.page_addr(layer, page) == kv[layer, page].data_ptr() for layer in range(3) for page in range(7))
     with pytest.raises(ValueError, match="page-major"):  # layer-major: a run of pages would be a range per layer
         PoolLayout.of_pool(torch.zeros(3, 7, 4, 8))
+
+
+@pytest.mark.parametrize("layers", [range(4), range(1, 3)])
+def test_no_pages_make_no_descriptors(layers):
+    assert run_descriptors(_layout(30, 0), [], layers, "src").shape == (0, 3)
