@@ -60,11 +60,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--writes", type=int, default=60)
     parser.add_argument("--busy-intervals-ms", default="5,0.5", help="GIL switch intervals to try with the step "
-                        "thread busy (rank processes run at 0.5)")
+                        "thread busy (rank processes run at 0.05)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print("writes of 16 pages x 8 layers x 16 tokens x 576 float32 (4.7 MB), asked -> seen complete; pages in one "
-          "run (8 byte ranges) or every other page (128)")
+          "run (1 byte range) or every other page (16)")
     print(f"{'GIL switch interval':>20} {'step thread':>12} {'pages':>10} {'p50 ms':>8} {'p90 ms':>8} "
           f"{'before posting p50 ms':>22}")
     busy_intervals_s = [float(ms) / 1e3 for ms in args.busy_intervals_ms.split(",")]
@@ -73,7 +73,7 @@ def main() -> None:
             results = write_seconds(interval_s, busy, args.writes, pages)
             seconds = sorted(s for s, _ in results)
             posting = statistics.median(p for _, p in results)
-            print(f"{interval_s * 1e3:17.1f} ms {'busy Python' if busy else 'idle':>12} {name:>10} "
+            print(f"{interval_s * 1e3:17g} ms {'busy Python' if busy else 'idle':>12} {name:>10} "
                   f"{statistics.median(seconds) * 1e3:8.2f} {seconds[int(0.9 * len(seconds))] * 1e3:8.2f} "
                   f"{posting * 1e3:22.2f}")
 

@@ -7,8 +7,13 @@ a worker's edge writes the tokens a request has queued, or paced, one event per 
 for the direct baseline, answers `/v1/completions` itself with the same tokens in OpenAI's shape. So direct costs
 one HTTP exchange with no routing, and router - direct is the router's overhead.
 
-    python benchmarks/router_overhead.py run [--requests 400] [--tokens 64]
+    python benchmarks/router_overhead.py run [--requests 400] [--tokens 64] [--floor]
     python benchmarks/router_overhead.py run --token-interval-ms 20 --concurrency 256 --requests 1024
+
+With --floor the non-streaming rows are also run through a bare proxy (`proxy` subcommand): uvicorn on the same loop
+and parser in front, one pooled aiohttp session behind, the body forwarded to the stand-in's direct route and its
+answer returned, nothing else. What it adds is the floor of any router on this stack; the router's own work is what it
+adds beyond that.
 
 Scenarios: non-streaming at concurrency 1 and 16, streaming 64-token responses at concurrency 32, every token in one
 write (the router forwards what arrives together in one write); with --token-interval-ms, streams whose tokens come
@@ -137,6 +142,37 @@ def serve_stand_in(port: int, token_interval_s: float) -> None:
                 loop="auto", http="auto")  # uvloop and httptools where installed
 
 
+def bare_proxy_app(target: str):
+    """Forward each POST's body to the same path on `target` and return its answer whole: a router's floor."""
+    session: aiohttp.ClientSession | None = None
+
+    async def app(scope, receive, send) -> None:
+        nonlocal session
+        if scope["type"] != "http":
+            return
+        if session is None:  # opened in the loop that uses it
+            session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        async with session.post(target + scope["path"], data=b"".join(chunks),
+                                headers={"content-type": "application/json"}) as response:
+            body = await response.read()
+        await send({"type": "http.response.start", "status": response.status,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+    return app
+
+
+def serve_bare_proxy(port: int, target: str) -> None:
+    import uvicorn
+    uvicorn.run(bare_proxy_app(target), host="127.0.0.1", port=port, log_level="warning", loop="auto", http="auto")
+
+
 # --- the load -----------------------------------------------------------------------------------------------------
 
 async def one(http: aiohttp.ClientSession, url: str, stream: bool, tokens: int, gaps: list[float]) -> tuple[float, int]:
@@ -225,6 +261,13 @@ def run(args: argparse.Namespace) -> None:
             [sys.executable, "-m", "pdserve", "router", "--model", str(model_dir), "--served-model-name", MODEL,
              "--workers", stand_in_url, "--host", "127.0.0.1", "--port", str(router_port)], env=env))
         wait_up(router_url, "/ready")
+        proxy_url = None
+        if args.floor:
+            proxy_port = free_port()
+            proxy_url = f"http://127.0.0.1:{proxy_port}"
+            processes.append(subprocess.Popen([sys.executable, __file__, "proxy", "--port", str(proxy_port),
+                                               "--target", stand_in_url]))
+            wait_up(proxy_url, "/health")
         if args.token_interval_ms:
             scenarios = [("streaming, paced", args.concurrency, True)]
             pace = f"each token its own write, {args.token_interval_ms} ms after the last"
@@ -237,12 +280,14 @@ def run(args: argparse.Namespace) -> None:
         print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for name, concurrency, stream in scenarios:
             direct = asyncio.run(load(stand_in_url, concurrency, args.requests, stream, args.tokens))
-            routed = asyncio.run(load(router_url, concurrency, args.requests, stream, args.tokens))
-            print(f"| {name} | {concurrency} | {direct['req_s']:,.0f} | {routed['req_s']:,.0f} | "
-                  f"{routed['req_s'] / direct['req_s']:.2f} | {direct['p50_ms']:.2f} / {direct['p99_ms']:.2f} | "
-                  f"{routed['p50_ms']:.2f} / {routed['p99_ms']:.2f} | {routed['p50_ms'] - direct['p50_ms']:.2f} | "
-                  f"{direct['tok_s']:,.0f} | {routed['tok_s']:,.0f} | {direct['gap_p99_ms']:.2f} / "
-                  f"{routed['gap_p99_ms']:.2f} |", flush=True)
+            fronts = [(name, router_url)] + ([(f"{name}, bare proxy", proxy_url)] if proxy_url and not stream else [])
+            for row_name, url in fronts:
+                routed = asyncio.run(load(url, concurrency, args.requests, stream, args.tokens))
+                print(f"| {row_name} | {concurrency} | {direct['req_s']:,.0f} | {routed['req_s']:,.0f} | "
+                      f"{routed['req_s'] / direct['req_s']:.2f} | {direct['p50_ms']:.2f} / {direct['p99_ms']:.2f} | "
+                      f"{routed['p50_ms']:.2f} / {routed['p99_ms']:.2f} | {routed['p50_ms'] - direct['p50_ms']:.2f} | "
+                      f"{direct['tok_s']:,.0f} | {routed['tok_s']:,.0f} | {direct['gap_p99_ms']:.2f} / "
+                      f"{routed['gap_p99_ms']:.2f} |", flush=True)
     finally:
         for process in processes:
             process.terminate()
@@ -260,12 +305,18 @@ def main() -> None:
                             help="> 0: the stand-in paces tokens this far apart, one write each (a decode step); "
                                  "one streaming row at --concurrency")
     run_parser.add_argument("--concurrency", type=int, default=256, help="streams at once, with --token-interval-ms")
+    run_parser.add_argument("--floor", action="store_true", help="also through a bare proxy (non-streaming rows)")
     stand_in_parser = commands.add_parser("stand-in", help="the stand-in worker (started by run)")
     stand_in_parser.add_argument("--port", type=int, required=True)
     stand_in_parser.add_argument("--token-interval-ms", type=float, default=0.0)
+    proxy_parser = commands.add_parser("proxy", help="the bare proxy (started by run --floor)")
+    proxy_parser.add_argument("--port", type=int, required=True)
+    proxy_parser.add_argument("--target", required=True)
     args = parser.parse_args()
     if args.command == "run":
         run(args)
+    elif args.command == "proxy":
+        serve_bare_proxy(args.port, args.target)
     else:
         serve_stand_in(args.port, args.token_interval_ms / 1e3)
 
