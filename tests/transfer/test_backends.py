@@ -77,6 +77,30 @@ def test_a_write_lands_exactly_and_notifies_once_from_the_backend_thread(pair):
     assert notifications.received.empty()
 
 
+def test_writes_asked_from_several_threads_at_once_each_land_exactly_and_notify_once(pair):
+    """Callers post their writes themselves (the NIXL backend's agent behind one lock): six threads writing at once,
+    each its own pages, while the backend's thread watches the others complete."""
+    writer, reader, notifications, writer_kv, reader_kv, _ = pair
+    expected = reader_kv.clone()
+    peer = writer.add_peer(reader.metadata()).result(WAIT_S)
+    reader.expect_notifications(6)
+    start = threading.Barrier(6)
+
+    def write(index: int):
+        start.wait(WAIT_S)
+        src, dst = [2 * index, 2 * index + 1], [19 - 2 * index, 18 - 2 * index]  # page runs that go backwards
+        return writer.write(peer, src, dst, f"req-{index}".encode(), timeout_s=WAIT_S).result(WAIT_S), src, dst
+
+    with ThreadPoolExecutor(6) as threads:
+        written = list(threads.map(write, range(6)))
+    for result, src, dst in written:
+        assert result.num_bytes == 2 * NUM_LAYERS * PAGE_SIZE * KV_DIM * 4
+        expected[:, dst] = writer_kv[:, src]
+    assert sorted(notifications.next()[1] for _ in range(6)) == [f"req-{i}".encode() for i in range(6)]
+    assert torch.equal(reader_kv, expected)
+    assert notifications.received.empty()
+
+
 def test_a_layer_range_moves_only_those_layers(pair):
     writer, reader, notifications, writer_kv, reader_kv, _ = pair
     expected = reader_kv.clone()
