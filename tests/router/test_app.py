@@ -149,6 +149,7 @@ def test_models_health_and_metrics_answer(router):
     models = httpx.get(router.url + "/v1/models", timeout=10).json()
     assert [m["id"] for m in models["data"]] == ["tiny"]
     assert httpx.get(router.url + "/health", timeout=10).json() == {"status": "ok", "workers": {}}
+    assert_openai_error(post(router, "/v1/completions", json={**GOOD_COMPLETION, "model": "gpt-9"}), 404)  # counted
     metrics = httpx.get(router.url + "/metrics", timeout=10).text
     assert "pdserve_requests_total" in metrics and 'status="rejected"' in metrics
 
