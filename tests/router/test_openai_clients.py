@@ -5,6 +5,7 @@ agent loops), real top logprobs, and a huge prompt's tokenization that never sta
 The tiny model's free output is noise, so tool calls come from `tool_choice` required or named (a grammar makes the
 model write one), final answers from `tool_choice: none`, and everything is greedy, hence deterministic."""
 
+import asyncio
 import json
 import threading
 import time
@@ -212,14 +213,21 @@ def test_openai_agents_sdk_runs_a_function_tool_to_a_final_output(cluster, model
         cities.append(city)
         return f"sunny in {city}"
 
-    agent = Agent(
-        name="weather", instructions="Use the tool, then answer.", tools=[get_weather],
-        model=OpenAIChatCompletionsModel(model=model, openai_client=openai.AsyncOpenAI(
-            base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)),
-        # required on the first turn; the SDK resets tool_choice after a tool call, so the next turn answers
-        model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=40, parallel_tool_calls=False),
-    )
-    result = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
+    async def run():
+        # The client is closed in the loop it ran in: left to the garbage collector, it would try to close itself on
+        # a closed loop during some later test, whose log check would then fail.
+        async with openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0,
+                                      timeout=120) as client:
+            agent = Agent(
+                name="weather", instructions="Use the tool, then answer.", tools=[get_weather],
+                model=OpenAIChatCompletionsModel(model=model, openai_client=client),
+                # required on the first turn; the SDK resets tool_choice after a tool call, so the next turn answers
+                model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=40,
+                                             parallel_tool_calls=False),
+            )
+            return await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
+
+    result = asyncio.run(run())
     assert cities and cities[0] in ("Paris", "Rome")
     assert isinstance(result.final_output, str)
 
