@@ -3,11 +3,10 @@ which watches the writes complete and collects the notifications of writes into 
 
 The agent is not thread-safe, so every call into it holds one lock. A write is posted in the thread that asks for it
 (the rank's event loop): handing it to the transfer thread instead made it wait for that thread to wake and get the
-GIL from a step thread running Python, 1-2 ms a write under load (docs/transfer.md). While writes are in flight or
-notifications are awaited the thread checks NIXL every 10 to 50 us while writes are in flight (they take about a
-millisecond) and up to every 500 us while it only awaits notifications (for as long as a prefill computes);
-otherwise it sleeps on its command queue. Without NIXL's own progress thread these checks are also what advances UCX
-(docs/transfer.md).
+GIL from a step thread running Python, 1-2 ms a write under load (docs/transfer.md). While writes are in flight the
+thread checks NIXL every 10 to 50 us (a write takes about a millisecond), and up to every 500 us while it only
+awaits notifications (for as long as a prefill computes); otherwise it sleeps on its command queue. Without NIXL's
+own progress thread these checks are also what advances UCX (docs/transfer.md).
 """
 
 import logging
