@@ -272,8 +272,8 @@ def main() -> None:
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--moe", default="auto")
     parser.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (smoke runs)")
-    parser.add_argument("--fp8", action="store_true", help="the config's linears block-quantized to FP8 and kept FP8 "
-                        "(as DeepSeek-V3's checkpoint ships them), random weights as with bf16")
+    parser.add_argument("--fp8", action="store_true", help="the config's linears block-quantized to FP8 and kept "
+                        "FP8 (as DeepSeek-V3's checkpoint ships them), random weights as with bf16")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--batches", default="1,16,64,256")
     parser.add_argument("--contexts", default="1024,4096")
@@ -332,7 +332,7 @@ def main() -> None:
     max_tokens = max(max(batches) * max(contexts), max(prefills), 2 * args.check_tokens)
     num_pages = -(-max_tokens // args.page_size) + max(batches)
     scratch_page = num_pages  # one page past the rest for the graphs' padding rows, as the engine's ModelRunner does
-    kv_cache = new_kv_pool(cfg.num_hidden_layers, num_pages + 1, args.page_size, cfg.kv_dim, dtype, device)  # the engine's
+    kv_cache = new_kv_pool(cfg.num_hidden_layers, num_pages + 1, args.page_size, cfg.kv_dim, dtype, device)  # as served
     for layer_cache in kv_cache:
         layer_cache.normal_()
     log(f"kv pool: {num_pages} pages of {args.page_size}, {kv_cache.numel() * kv_cache.element_size() / 1e9:.1f} GB")

@@ -118,7 +118,8 @@ def prefill_sweep(device: torch.device, bf16: bool = True, tilings: tuple[tuple[
             def triton_tma() -> torch.Tensor:
                 q, scales = quantize_rows(x, 128, row_index=row_index)
                 return grouped_fp8_gemm_tma(q, scales, weight.values, weight.scale_inv, ends, 128)
-            sweep_line(name, tokens, rows, "FP8 quantize + gather, Triton TMA", flops, cublas_us, triton_tma, ref, device)
+            sweep_line(name, tokens, rows, "FP8 quantize + gather, Triton TMA", flops, cublas_us, triton_tma, ref,
+                       device)
             for tiles in sweep:  # the pointer kernel, gathering inside
                 def fp8(tiles=tiles) -> torch.Tensor:
                     q, scales = quantize_rows(x, 128)
@@ -174,7 +175,8 @@ def main() -> None:
     parser.add_argument("--v3-tokens", default=",".join(map(str, V3_PREFILL_TOKENS)),
                         help="--prefill: tokens of the FP8 V3 expert GEMMs")
     parser.add_argument("--diagnose", action="store_true",
-                        help="--prefill: FP8 also with rows gathered before, without the scale step, and quantizing alone")
+                        help="--prefill: FP8 also with rows gathered before, without the scale step, and "
+                             "quantizing alone")
     parser.add_argument("--sort", action="store_true", help="the routed rows' sort: counting against radix")
     args = parser.parse_args()
     device = torch.device("cuda")

@@ -34,7 +34,8 @@ class PoolShape:
     dtype: torch.dtype
 
     def pool(self, num_pages: int, device: str) -> torch.Tensor:
-        return new_kv_pool(self.num_layers, num_pages, self.page_size, self.kv_dim, self.dtype, torch.device(device)).normal_()
+        pool = new_kv_pool(self.num_layers, num_pages, self.page_size, self.kv_dim, self.dtype, torch.device(device))
+        return pool.normal_()
 
     @property
     def page_bytes_all_layers(self) -> int:

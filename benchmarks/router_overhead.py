@@ -58,20 +58,22 @@ TOKEN_ID = 42  # every answered token; its text is whatever the tiny tokenizer m
 
 # --- the stand-in worker ----------------------------------------------------------------------------------------
 
+async def body_of(receive) -> bytes:
+    """An ASGI request's whole body."""
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
 def stand_in_app(token: str, token_interval_s: float):
     authorization = f"Bearer {token}".encode()
     health = msgspec.json.encode(WorkerHealth("ok", "both", 1))
     info = msgspec.json.encode(WorkerInfo(API_VERSION, "both", MODEL, 4096, [RankInfo(0, 16, 4096, "stand-in")]))
     load = msgspec.json.encode(LoadReport([RankLoad(0, 0, 0, 4096, 4096, 0)]))
     decode_request = msgspec.json.Decoder(GenerateRequest).decode
-
-    async def body_of(receive) -> bytes:
-        chunks = []
-        while True:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body"):
-                return b"".join(chunks)
 
     async def answer(send, status: int, body: bytes, content_type: bytes = b"application/json") -> None:
         await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", content_type)]})
@@ -152,13 +154,7 @@ def bare_proxy_app(target: str):
             return
         if session is None:  # opened in the loop that uses it
             session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        chunks = []
-        while True:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body"):
-                break
-        async with session.post(target + scope["path"], data=b"".join(chunks),
+        async with session.post(target + scope["path"], data=await body_of(receive),
                                 headers={"content-type": "application/json"}) as response:
             body = await response.read()
         await send({"type": "http.response.start", "status": response.status,

@@ -96,7 +96,8 @@ def _library() -> ctypes.CDLL | None:
         library = ctypes.CDLL(str(_build(nvcc, includes)))
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", "") or ""
-        log.warning("the CUTLASS grouped FP8 GEMM did not build, the Triton kernel serves: %s %s", error, detail[-2000:])
+        log.warning("the CUTLASS grouped FP8 GEMM did not build, the Triton kernel serves: %s %s", error,
+                    detail[-2000:])
         return None
     library.pdserve_grouped_fp8_gemm_workspace.restype = ctypes.c_size_t
     library.pdserve_grouped_fp8_gemm_workspace.argtypes = [ctypes.c_int] * 6
@@ -114,7 +115,8 @@ def available(device: torch.device) -> bool:
 
 
 def takes(values: torch.Tensor, block_size: tuple[int, int]) -> bool:
-    """Shapes the kernel takes: stacked [groups, N, K] weights, contiguous, in 128 x 128 blocks, N and K whole blocks."""
+    """Shapes the kernel takes: stacked [groups, N, K] weights, contiguous, in 128 x 128 blocks, N and K whole
+    blocks."""
     if values.dim() != 3 or not values.is_contiguous() or block_size != (SCALE_BLOCK, SCALE_BLOCK):
         return False
     return values.shape[1] % SCALE_BLOCK == 0 and values.shape[2] % SCALE_BLOCK == 0

@@ -269,15 +269,21 @@ def grouped_fp8_gemm_tma(q: torch.Tensor, scales: torch.Tensor, values: torch.Te
     tiles = tiles_for(rows / groups)
     a_desc = TensorDescriptor.from_tensor(q, [tiles.block_m, block_k])
     w_desc = TensorDescriptor.from_tensor(values.view(groups * n, k), [tiles.block_n, block_k])
-    m_tiles = rows // tiles.block_m + min(groups, rows)
+    m_tiles = grouped_m_tiles(rows, groups, tiles.block_m)
     _grouped_fp8_gemm_tma_kernel[(m_tiles * triton.cdiv(n, tiles.block_n),)](
         a_desc, scales, w_desc, scale_inv, out, group_ends, n, k, groups, m_tiles,
         scales.stride(0), scale_inv.stride(0), scale_inv.stride(1), out.stride(0),
-        GROUPS_POW2=max(2, triton.next_power_of_2(groups)), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k,
-        SWIZZLE=SWIZZLE_M, STAGES=tiles.stages, num_warps=tiles.warps,
+        GROUPS_POW2=max(2, triton.next_power_of_2(groups)), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        BLOCK_K=block_k, SWIZZLE=SWIZZLE_M, STAGES=tiles.stages, num_warps=tiles.warps,
     )
     return out
 
+
+def grouped_m_tiles(rows: int, groups: int, block_m: int) -> int:
+    """m-tiles a grouped launch needs room for, whatever the split of `rows` over `groups`: a group's rows fill whole
+    tiles and at most one partial one, and at most `rows` groups have any (at decode sizes, 6 rows over 64 experts
+    launch 6 m-tiles' programs, not 65 that mostly leave at once)."""
+    return rows // block_m + min(groups, rows)
 
 
 def bf16_grouped_gemm(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor,
@@ -304,12 +310,7 @@ def _grouped_gemm(a: torch.Tensor, values: torch.Tensor, rows: int, group_ends: 
     if rows == 0:
         return out
     tiles = tiles or tiles_for(rows / num_groups)
-    # A group's rows fill whole tiles and at most one partial one, and at most `rows` groups have any: at decode sizes
-    # (6 rows over 64 experts) this launches 6 m-tiles' programs, not 65 that mostly leave at once.
-    if single:
-        m_tiles = triton.cdiv(rows, tiles.block_m)
-    else:
-        m_tiles = rows // tiles.block_m + min(num_groups, rows)
+    m_tiles = triton.cdiv(rows, tiles.block_m) if single else grouped_m_tiles(rows, num_groups, tiles.block_m)
     grid = (m_tiles * triton.cdiv(n, tiles.block_n),)
     stacked = values.dim() == 3
     scales, scale_inv, weight_block_n = fp8_scales if fp8_scales is not None else (a, a, 1)

@@ -123,7 +123,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor | BlockFP8Weight, group
                    row_index: torch.Tensor | None = None) -> torch.Tensor:
     """Row i of the result: x[row_index[i]] (x[i] without an index) times the weight of the group holding row i."""
     if isinstance(weight, BlockFP8Weight):
-        return block_fp8_grouped_linear(x, weight, group_ends, row_index)  # gathers the rows as it quantizes or in the GEMM
+        # gathers the rows as it quantizes them (prefill sizes) or inside the GEMM (decode sizes)
+        return block_fp8_grouped_linear(x, weight, group_ends, row_index)
     rows = x.shape[0] if row_index is None else row_index.shape[0]
     if x.is_cuda and bf16_grouped_gemm_op is not None and rows <= SMALL_GROUPED_ROWS_PER_EXPERT * weight.shape[0]:
         return bf16_grouped_gemm_op(x, weight, group_ends, row_index)

@@ -21,7 +21,8 @@ WAIT_S = 10.0
 
 def pool(num_pages: int, seed: int) -> torch.Tensor:
     # page-major, seen layer-first, as an engine's pool (pdserve.ops.attention.new_kv_pool)
-    return torch.randn(num_pages, NUM_LAYERS, PAGE_SIZE, KV_DIM, generator=torch.Generator().manual_seed(seed)).transpose(0, 1)
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(num_pages, NUM_LAYERS, PAGE_SIZE, KV_DIM, generator=generator).transpose(0, 1)
 
 
 class Notifications:
@@ -168,7 +169,8 @@ def test_a_lost_notification_still_moves_the_bytes():
 def test_a_peer_with_another_page_shape_is_refused():
     fabric = InProcessFabric()
     writer = InProcessBackend("w", pool(12, seed=0), lambda *_: None, fabric)
-    other = InProcessBackend("o", torch.zeros(4, NUM_LAYERS, PAGE_SIZE, KV_DIM * 2).transpose(0, 1), lambda *_: None, fabric)
+    other_model = torch.zeros(4, NUM_LAYERS, PAGE_SIZE, KV_DIM * 2).transpose(0, 1)
+    other = InProcessBackend("o", other_model, lambda *_: None, fabric)
     with pytest.raises(ValueError, match="not the same model"):
         writer.add_peer(other.metadata()).result(WAIT_S)
     writer.close()
