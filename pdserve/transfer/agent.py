@@ -8,17 +8,21 @@ UCX transports: no UCX_* variable is needed. On one host without GPUs UCX puts o
 (process_vm_writev) and sends notifications over `tcp` on loopback; between nodes it picks `rc`/`dc` on
 InfiniBand/RoCE or `tcp`. Where `cma` is blocked (a container without CAP_SYS_PTRACE), UCX_TLS=tcp,self
 works, about 3x slower here. UCX reads these variables itself; this module reads none.
-Not thread-safe: use an agent from one thread (`nixl_backend.NixlBackend`'s transfer thread).
+Two threads may use one agent: NIXL's binding lets go of the GIL inside its calls, so its agent serializes them
+itself (the STRICT sync mode), and each write's handle has a lock of its own, so that one thread's poll never meets
+another's release of it (a peer's disconnect releases every write to it). Writes to one agent from several threads
+must still be posted one at a time (`nixl_backend.NixlBackend` holds a lock for it).
 """
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 import torch
-from nixl._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
+from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t, nixl_xfer_handle
 
 from pdserve.transfer.errors import TransferError, TransferTimeout
 from pdserve.transfer.layout import PoolLayout, check_page_ids, page_runs, run_descriptors
@@ -40,6 +44,7 @@ class TransferHandle:
     error: str = ""
     started_s: float = field(default_factory=time.monotonic)
     posted_s: float = 0.0  # monotonic, when NIXL's post call returned
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # held around its NIXL calls
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,12 +66,16 @@ class KVTransferAgent:
         self.name = name
         self.layout = PoolLayout.of_pool(kv)
         self._kv = kv  # keeps the registered memory alive as long as the agent
-        config = nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+        config = nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"],
+                                   sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self._nixl = nixl_agent(name, config)
         if "UCX" not in self._nixl.backends:
             raise RuntimeError(f"NIXL agent {name!r}: UCX backend unavailable (plugins: {self._nixl.plugin_list})")
         self._registration = self._nixl.register_memory(kv.transpose(0, 1))  # the page-major tensor: contiguous
         self._peers: dict[str, _Peer] = {}
+        # Held from a write's peer look-up to its handle being in `_in_flight`, and by remove_peer: a peer is not
+        # dropped between a write's making and its cancelling (re-entrant: a disconnect while making drops it).
+        self._peers_lock = threading.RLock()
         self._in_flight: set[TransferHandle] = set()
         self._closed = False
 
@@ -96,11 +105,14 @@ class KVTransferAgent:
     def remove_peer(self, name: str) -> None:
         """Forget a peer (no-op if unknown). Its writes still in flight are cancelled first: NIXL must not
         drop a remote agent under an active transfer."""
-        for handle in [h for h in self._in_flight if h.peer == name]:
+        with self._peers_lock:
+            known = self._peers.pop(name, None)
+            handles = [h for h in list(self._in_flight) if h.peer == name]  # list(): one step, others discard
+        for handle in handles:
             if handle.state == "pending":
                 self._fail(handle, f"peer {name!r} was removed")
             self.release(handle)
-        if self._peers.pop(name, None) is not None:
+        if known is not None:
             try:
                 self._nixl.remove_remote_agent(name)
             except Exception as exc:  # NIXL already invalidates an agent that disconnected
@@ -116,6 +128,32 @@ class KVTransferAgent:
     ) -> TransferHandle:
         """Post one NIXL WRITE of `layers` (all by default) of each src page into the paired dst page of
         `peer`; `notif` reaches the peer after all the bytes. Returns at once; poll/wait the handle."""
+        with self._peers_lock:
+            handle = self._make_write(peer, src_page_ids, dst_page_ids, notif, layers)
+            if handle.xfer is None:
+                return handle
+            self._in_flight.add(handle)
+        with handle.lock:
+            if handle.xfer is None:  # another thread dropped the peer meanwhile
+                raise TransferError(f"write to peer {peer!r} cancelled before posting: {handle.error}")
+            try:
+                posted, error = self._nixl.transfer(handle.xfer), None
+            except Exception as exc:
+                posted, error = "ERR", exc
+        if error is not None:
+            self._on_error(handle, error)
+            self.release(handle)
+            raise TransferError(f"posting write to peer {peer!r} failed: {handle.error}") from error
+        handle.posted_s = time.monotonic()
+        if posted == "DONE":
+            handle.state = "done"
+        elif posted == "ERR":
+            self._fail(handle, "NIXL refused to post the write")
+        return handle
+
+    def _make_write(self, peer: str, src_page_ids: Sequence[int], dst_page_ids: Sequence[int], notif: bytes,
+                    layers: range | None) -> TransferHandle:
+        """The write's NIXL request, not posted; a handle without one (done) where there is nothing to move."""
         target = self._peers.get(peer)
         if target is None:
             raise TransferError(f"peer {peer!r} is unknown to {self.name!r} (never added, removed, or disconnected)")
@@ -145,28 +183,18 @@ class KVTransferAgent:
                 notif,
             ),
         )
-        handle = TransferHandle(peer, int(local[:, 1].sum()), len(local), xfer)
-        self._in_flight.add(handle)
-        try:
-            posted = self._nixl.transfer(xfer)
-        except Exception as exc:
-            self._on_error(handle, exc)
-            self.release(handle)
-            raise TransferError(f"posting write to peer {peer!r} failed: {handle.error}") from exc
-        handle.posted_s = time.monotonic()
-        if posted == "DONE":
-            handle.state = "done"
-        elif posted == "ERR":
-            self._fail(handle, "NIXL refused to post the write")
-        return handle
+        return TransferHandle(peer, int(local[:, 1].sum()), len(local), xfer)
 
     def poll(self, handle: TransferHandle) -> TransferState:
-        if handle.state != "pending" or handle.xfer is None:
-            return handle.state
-        try:
-            status = self._nixl.check_xfer_state(handle.xfer)
-        except Exception as exc:
-            self._on_error(handle, exc)
+        with handle.lock:
+            if handle.state != "pending" or handle.xfer is None:
+                return handle.state
+            try:
+                status, error = self._nixl.check_xfer_state(handle.xfer), None
+            except Exception as exc:
+                status, error = "ERR", exc
+        if error is not None:
+            self._on_error(handle, error)  # may drop the peer, which releases this handle: outside its lock
             return handle.state
         if status == "DONE":
             handle.state = "done"
@@ -177,13 +205,14 @@ class KVTransferAgent:
     def release(self, handle: TransferHandle) -> None:
         """Free the transfer; one still pending is cancelled. Safe to call twice."""
         self._in_flight.discard(handle)
-        if handle.xfer is None:
-            return
-        xfer, handle.xfer = handle.xfer, None
-        try:
-            self._nixl.release_xfer_handle(xfer)
-        except Exception as exc:  # NIXL could not cancel it; it keeps the handle and frees it at agent exit
-            log.warning("releasing write to %s (%s): %s", handle.peer, handle.state, exc)
+        with handle.lock:
+            xfer, handle.xfer = handle.xfer, None
+            if xfer is None:
+                return
+            try:
+                self._nixl.release_xfer_handle(xfer)
+            except Exception as exc:  # NIXL could not cancel it; it keeps the handle and frees it at agent exit
+                log.warning("releasing write to %s (%s): %s", handle.peer, handle.state, exc)
 
     def wait(self, handle: TransferHandle, timeout_s: float) -> None:
         """Block until the write is done; raise TransferTimeout / TransferError otherwise. Always releases."""

@@ -1,14 +1,17 @@
 """A NIXL agent shared by the callers, who post their writes themselves, and a transfer thread of the backend's own,
 which watches the writes complete and collects the notifications of writes into this pool, and reports both as events.
 
-The agent is not thread-safe, so every call into it holds one lock. A write is posted in the thread that asks for it
-(the rank's event loop): handing it to the transfer thread instead made it wait for that thread to wake and get the
-GIL from a step thread running Python, 1-2 ms a write under load (docs/transfer.md). While writes are in flight the
-thread checks NIXL every 10 to 50 us (a write takes about a millisecond), and up to every 500 us while it only
-awaits notifications (for as long as a prefill computes); otherwise it sleeps on its command queue. Without NIXL's
-own progress thread these checks are also what advances UCX (docs/transfer.md).
+A write is posted in the thread that asks for it (the rank's event loop): handing it to the transfer thread instead
+made it wait for that thread to wake and get the GIL from a step thread running Python, 1-2 ms a write under load
+(docs/transfer.md). The two threads never wait on each other: NIXL's binding lets go of the GIL inside its calls and
+its agent serializes them itself, so the transfer thread checks without any lock of ours; the backend's lock only
+puts concurrent posts in a row and hands each posted write over. While writes are in flight the thread checks them
+every 10 to 50 us (a write takes about a millisecond), and the notifications up to every 500 us while some are
+awaited (for as long as a prefill computes); otherwise it sleeps on its command queue. Without NIXL's own progress
+thread these checks are also what advances UCX (docs/transfer.md).
 """
 
+import functools
 import logging
 import queue
 import threading
@@ -36,7 +39,7 @@ class _Write:
     handle: TransferHandle
     future: Future
     requested_s: float  # monotonic, when write() was called: the time a write takes includes its wait to be posted
-    taken_s: float  # when the caller had the agent's lock
+    taken_s: float  # when the caller had the backend's lock (other threads' posts go first)
     deadline_s: float
 
 
@@ -46,9 +49,9 @@ class NixlBackend:
         self._agent = KVTransferAgent(name, kv, progress_thread)
         self._metadata = self._agent.metadata()
         self._on_notification = on_notification
-        self._lock = threading.Lock()  # held by every call into the agent, and for `_writes`
+        self._lock = threading.Lock()  # one post at a time; a post and its hand-over to the thread against close()
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._writes: list[_Write] = []  # posted, not complete
+        self._writes: list[_Write] = []  # posted, not complete: the transfer thread's own
         self._expected = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-transfer-{name}", daemon=True)
@@ -63,9 +66,7 @@ class NixlBackend:
         def learn() -> None:
             if future.set_running_or_notify_cancel():
                 try:
-                    with self._lock:
-                        name = self._agent.add_peer(blob)
-                    future.set_result(name)
+                    future.set_result(self._agent.add_peer(blob))
                 except Exception as error:  # noqa: BLE001 - handed to the caller
                     future.set_exception(error)
 
@@ -88,8 +89,8 @@ class NixlBackend:
             except Exception as error:  # noqa: BLE001 - handed to the caller
                 future.set_exception(error)
                 return future
-            self._writes.append(_Write(handle, future, requested_s, taken_s, handle.started_s + timeout_s))
-        self._commands.put(_wake)  # the thread may be asleep on its queue: it watches the write from now on
+            write = _Write(handle, future, requested_s, taken_s, handle.started_s + timeout_s)
+            self._commands.put(functools.partial(self._writes.append, write))  # wakes the thread, which watches it
         return future
 
     def expect_notifications(self, count: int) -> None:
@@ -97,38 +98,39 @@ class NixlBackend:
         self._commands.put(_wake)
 
     def close(self) -> None:
-        if self._stop.is_set():
-            return
-        self._stop.set()
+        with self._lock:  # a write posted before this is handed over before the thread's last turn
+            if self._stop.is_set():
+                return
+            self._stop.set()
         self._commands.put(_wake)
         self._thread.join(JOIN_TIMEOUT_S)
         if self._thread.is_alive():  # stuck in NIXL: closing the agent under it would be worse than leaking it
             log.error("transfer thread of %s did not stop within %s s; agent left open", self.name, JOIN_TIMEOUT_S)
             return
-        with self._lock:
-            self._agent.close()
+        self._agent.close()
 
     # --- the transfer thread ----------------------------------------------------------------------------------
     def _run(self) -> None:
         pause_s = MIN_PAUSE_S
+        next_drain_s = 0.0
         while not self._stop.is_set():
             listening = bool(self._writes) or self._expected > 0
             progressed = self._run_commands(wait_s=0.0 if listening else IDLE_WAIT_S)
-            with self._lock:  # the agent's calls; what they report is handed on after, outside the lock
-                notifications = self._agent.take_notifications()
-                finished = self._finished_writes()
-            progressed |= self._deliver_notifications(notifications)
-            progressed |= self._resolve(finished)
+            # Each NIXL call costs this thread a wait for the GIL under load: notifications are asked for only while
+            # some are awaited, and otherwise (a writer's pool) drained now and then.
+            if self._expected > 0 or time.monotonic() >= next_drain_s:
+                progressed |= self._deliver_notifications(self._agent.take_notifications())
+                next_drain_s = time.monotonic() + IDLE_WAIT_S
+            progressed |= self._resolve(self._finished_writes())
             if progressed or not listening:
                 pause_s = MIN_PAUSE_S
             else:
                 time.sleep(pause_s)
                 pause_s = min(2 * pause_s, MAX_PAUSE_WRITING_S if self._writes else MAX_PAUSE_LISTENING_S)
-        with self._lock:
-            unfinished, self._writes = self._writes, []
-            for write in unfinished:
-                self._agent.release(write.handle)
+        self._run_commands(wait_s=0.0)  # the writes handed over last
+        unfinished, self._writes = self._writes, []
         for write in unfinished:
+            self._agent.release(write.handle)
             write.future.set_exception(TransferError(f"transfer backend {self.name} closed"))
 
     def _run_commands(self, wait_s: float) -> bool:
@@ -156,7 +158,7 @@ class NixlBackend:
 
     def _finished_writes(self) -> list[tuple[_Write, str]]:
         """The writes done, failed or past their deadline (cancelled), each with its state, released and taken out
-        of `_writes` (under the lock)."""
+        of `_writes`."""
         finished = []
         for write in self._writes:
             state = self._agent.poll(write.handle)

@@ -220,6 +220,25 @@ def test_a_write_waiting_for_the_agent_counts_that_wait_as_time_before_posting()
         reader.close()
 
 
+def test_a_posted_write_is_seen_complete_while_another_post_holds_the_backend():
+    """The transfer thread checks writes without the backend's lock (NIXL's agent serializes its own calls): a post
+    holding the lock, even one waiting for the GIL meanwhile, does not delay seeing another write complete."""
+    notifications = Notifications()
+    suffix = uuid.uuid4().hex[:8]
+    writer = open_nixl_backend(f"writer-{suffix}", pool(12, seed=0), lambda *_: None, progress_thread=False)
+    reader = open_nixl_backend(f"reader-{suffix}", pool(20, seed=1), notifications, progress_thread=False)
+    try:
+        peer = writer.add_peer(reader.metadata()).result(WAIT_S)
+        reader.expect_notifications(1)
+        future = writer.write(peer, [0, 1], [2, 3], b"req-1", timeout_s=WAIT_S)
+        with writer._lock:  # another thread's post, holding the backend for as long as this write takes
+            assert future.result(WAIT_S).num_bytes > 0
+        assert notifications.next()[1] == b"req-1"
+    finally:
+        writer.close()
+        reader.close()
+
+
 def test_a_write_after_close_fails_at_once():
     writer = open_nixl_backend(f"writer-{uuid.uuid4().hex[:8]}", pool(12, seed=0), lambda *_: None,
                                progress_thread=False)
