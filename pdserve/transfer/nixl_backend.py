@@ -90,7 +90,7 @@ class NixlBackend:
                 future.set_exception(error)
                 return future
             write = _Write(handle, future, requested_s, taken_s, handle.started_s + timeout_s)
-            self._commands.put(functools.partial(self._writes.append, write))  # wakes the thread, which watches it
+            self._commands.put(functools.partial(self._watch, write))  # wakes the thread, which watches it from now
         return future
 
     def expect_notifications(self, count: int) -> None:
@@ -132,6 +132,9 @@ class NixlBackend:
         for write in unfinished:
             self._agent.release(write.handle)
             write.future.set_exception(TransferError(f"transfer backend {self.name} closed"))
+
+    def _watch(self, write: _Write) -> None:
+        self._writes.append(write)  # looked up here, on the thread: `_finished_writes` replaces the list
 
     def _run_commands(self, wait_s: float) -> bool:
         try:

@@ -79,8 +79,8 @@ def test_a_write_lands_exactly_and_notifies_once_from_the_backend_thread(pair):
 
 
 def test_writes_asked_from_several_threads_at_once_each_land_exactly_and_notify_once(pair):
-    """Callers post their writes themselves (the NIXL backend's agent behind one lock): six threads writing at once,
-    each its own pages, while the backend's thread watches the others complete."""
+    """Callers post their writes themselves (the NIXL backend one post at a time): six threads writing at once, each
+    its own pages, while the backend's thread watches the others complete."""
     writer, reader, notifications, writer_kv, reader_kv, _ = pair
     expected = reader_kv.clone()
     peer = writer.add_peer(reader.metadata()).result(WAIT_S)
@@ -100,6 +100,17 @@ def test_writes_asked_from_several_threads_at_once_each_land_exactly_and_notify_
     assert sorted(notifications.next()[1] for _ in range(6)) == [f"req-{i}".encode() for i in range(6)]
     assert torch.equal(reader_kv, expected)
     assert notifications.received.empty()
+
+
+def test_every_write_is_seen_complete_while_others_complete_as_it_is_handed_over(pair):
+    """Hundreds of writes posted back to back, so that the backend's thread takes its finished writes out while new
+    ones are being handed to it: each resolves (a write lost in that hand-over would hang its request for ever)."""
+    writer, reader, notifications, _, _, _ = pair
+    peer = writer.add_peer(reader.metadata()).result(WAIT_S)
+    reader.expect_notifications(300)
+    futures = [writer.write(peer, [index % 12], [index % 20], b"n", timeout_s=WAIT_S) for index in range(300)]
+    assert all(future.result(WAIT_S).num_bytes > 0 for future in futures)
+    assert [notifications.next()[1] for _ in range(300)] == [b"n"] * 300
 
 
 def test_a_layer_range_moves_only_those_layers(pair):
