@@ -65,14 +65,17 @@ class Admission:
 
 async def read_body_limited(request: Request, max_bytes: int) -> bytes:
     """The body, or 413 as soon as it is known to exceed `max_bytes` (without reading the rest)."""
-    too_large = APIError(413, f"request body exceeds {max_bytes} bytes", code="request_too_large")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise too_large
+        raise _too_large(max_bytes)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > max_bytes:
-            raise too_large
+            raise _too_large(max_bytes)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _too_large(max_bytes: int) -> APIError:
+    return APIError(413, f"request body exceeds {max_bytes} bytes", code="request_too_large")

@@ -35,6 +35,8 @@ class Continuation:
 
     def next_sampling(self) -> SamplingParams:
         done = len(self.streamed_token_ids)
+        if not done:  # a first attempt, or a retry before any token: as asked (no copy, no re-validation)
+            return self.sampling
         grammar = self.sampling.grammar
         if grammar is not None and done:  # the next worker's matcher starts after what was streamed
             grammar = replace(grammar, accepted_token_ids=grammar.accepted_token_ids + self.streamed_token_ids)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from pdserve.text.generation_defaults import GenerationDefaults
 from pdserve.text.grammars import FREE_TEXT_LARK, GrammarError, check_grammar
@@ -270,7 +270,7 @@ class Serving:
             self.metrics.count_request("error")
             raise APIError(502, f"the worker failed while generating: {failed.error}", code="worker_error", type="server_error")
         self.metrics.count_request("ok")
-        return JSONResponse(builder.whole(outputs, usage(outputs, n)))
+        return Response(msgspec.json.encode(builder.whole(outputs, usage(outputs, n))), media_type="application/json")
 
     def _observe_lengths(self, outputs: list[ChoiceOutput]) -> None:
         """Each sequence's prompt and generated lengths, however it ended: the work it took is what pools are sized by."""
@@ -346,28 +346,43 @@ class Serving:
             output.error = event.error
 
     async def _collect_unless_disconnected(self, outputs, events, http_request: Request, arrival_s: float) -> None:
+        """Collects the events in this task. Every DISCONNECT_POLL_S a timer looks whether the client left (the look
+        takes a task of its own, made only then: most requests end before the first) and if so cancels this task."""
+        collecting = asyncio.current_task()
+        assert collecting is not None
+        loop = asyncio.get_running_loop()
         last_token_s: dict[int, float] = {}
+        left = False
+        looking: asyncio.Task | None = None
 
-        async def collect() -> None:
+        async def look() -> None:
+            nonlocal left, timer
+            if await http_request.is_disconnected():
+                left = True
+                collecting.cancel()
+            else:
+                timer = loop.call_later(DISCONNECT_POLL_S, start_look)
+
+        def start_look() -> None:
+            nonlocal looking
+            looking = asyncio.create_task(look())
+
+        timer = loop.call_later(DISCONNECT_POLL_S, start_look)
+        try:
             async with contextlib.aclosing(events):
                 async for batch in events:
                     for position, event in batch:
                         self._absorb(outputs[position], event, last_token_s, arrival_s)
-
-        collector = asyncio.create_task(collect())
-        try:
-            while not collector.done():
-                await asyncio.wait({collector}, timeout=DISCONNECT_POLL_S)
-                if not collector.done() and await http_request.is_disconnected():
-                    self.metrics.count_request("client_disconnected")
-                    collector.cancel()
-                    await asyncio.gather(collector, return_exceptions=True)
-                    raise APIError(499, "client disconnected", code="client_disconnected")
-            collector.result()
+        except asyncio.CancelledError:
+            if not left:
+                raise
+            collecting.uncancel()
+            self.metrics.count_request("client_disconnected")
+            raise APIError(499, "client disconnected", code="client_disconnected") from None
         finally:
-            if not collector.done():
-                collector.cancel()
-                await asyncio.gather(collector, return_exceptions=True)
+            timer.cancel()
+            if looking is not None:
+                looking.cancel()
         self.metrics.observe_e2e(time.monotonic() - arrival_s)
 
     async def _stream(self, builder: ResponseBuilder, outputs: list[ChoiceOutput], events, include_usage: bool, n: int,

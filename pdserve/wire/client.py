@@ -191,7 +191,8 @@ class WorkerClient:
                     got_event = True
                     finished = next((i for i, event in enumerate(batch) if event.finish_reason is not None), None)
                     if finished is not None:
-                        await _read_to_end(reads)
+                        if not response.content.at_eof():  # a worker's end of stream usually came in the same read
+                            await _read_to_end(reads)
                         yield batch[:finished + 1]
                         return
                     yield batch

@@ -284,3 +284,21 @@ def test_stream_reader_that_never_reads_is_cut_after_the_send_bound(pd_cluster, 
     assert b"data: [DONE]" not in rest
     assert rest.count(b"data: ") < LONG_STREAM_TOKENS
     assert eventually(lambda: client_disconnected_count(pd_cluster.url) == disconnected_before + 1, timeout_s=SLACK_S)
+
+
+def test_a_whole_response_caller_that_hangs_up_frees_its_worker(pd_cluster, model, cluster_stays_well):
+    """A non-streaming completion whose client closes while it generates: the router notices within its look
+    interval, aborts the request on the workers and counts it as client_disconnected."""
+    workers = [w.url for w in pd_cluster.workers]
+    disconnected_before = client_disconnected_count(pd_cluster.url)
+    sock = socket.create_connection(address(pd_cluster.url), timeout=30)
+    try:
+        body = completion_body(model, LONG_STREAM_TOKENS)
+        sock.sendall(post_head("/v1/completions", len(body)) + body)
+        assert eventually(lambda: sum(running(w) for w in workers) > 0, timeout_s=10)
+        time.sleep(0.7)  # past the router's first look: the client is still there, generation goes on
+        assert sum(running(w) for w in workers) > 0
+    finally:
+        sock.close()
+    assert eventually(lambda: all(pages_at_rest(w) for w in workers), timeout_s=SLACK_S)
+    assert eventually(lambda: client_disconnected_count(pd_cluster.url) == disconnected_before + 1, timeout_s=SLACK_S)

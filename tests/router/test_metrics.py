@@ -1,4 +1,4 @@
-"""The router's inter-token histogram takes a repeated gap in one call and exposes what prometheus_client's own
+"""The router's histograms take a repeated observation in one call and expose what prometheus_client's own
 Histogram exposes for the same observations made one by one (buckets, count, sum)."""
 
 import random
@@ -6,7 +6,7 @@ import random
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve_router.metrics import ITL_BUCKETS_S, RepeatedObservations
+from pdserve_router.metrics import ITL_BUCKETS_S, LoopHistogram
 
 
 def samples(registry: CollectorRegistry) -> dict[tuple, float]:
@@ -15,10 +15,10 @@ def samples(registry: CollectorRegistry) -> dict[tuple, float]:
             for s in family.samples if not s.name.endswith("_created")}
 
 
-def test_repeated_observations_expose_what_one_by_one_observations_do():
+def test_loop_histograms_expose_what_prometheus_clients_histograms_do_for_the_same_observations():
     ours, theirs = CollectorRegistry(), CollectorRegistry()
     labels = {"model": "m", "routing_policy": "prefix"}
-    repeated = RepeatedObservations("itl_seconds", "gaps", labels, ITL_BUCKETS_S, ours)
+    repeated = LoopHistogram("itl_seconds", "gaps", labels, ITL_BUCKETS_S, ours)
     one_by_one = Histogram("itl_seconds", "gaps", list(labels), buckets=ITL_BUCKETS_S, registry=theirs).labels(**labels)
     rng = random.Random(3)
     # Gaps on bucket bounds (le is inclusive), between them, past the last, and zero-count calls.
