@@ -91,9 +91,10 @@ class Dispatcher:
         return Route(prefill, decode, plan, matches.get(prefill, 0))
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, arrival_s: float
-    ) -> AsyncIterator[list[TokenEvent]]:
-        """The request's TokenEvents, in the batches the worker's stream brought them. A worker failure before the first token retries on another rank (at most
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, arrival_s: float, choice: int = 0
+    ) -> AsyncIterator[list[tuple[int, TokenEvent]]]:
+        """The request's TokenEvents, each as (`choice`, event) so that a response merges several choices' batches
+        without re-wrapping them, in the batches the worker's stream brought them. A worker failure before the first token retries on another rank (at most
         `max_attempts` ranks, then APIError(503), or the last worker's error event if it sent one); after it, the
         stream migrates to another decode path (at most `max_migrations` times, then an error event)."""
         continuation = Continuation(prompt_token_ids, sampling, self._make_detokenizer)
@@ -125,8 +126,8 @@ class Dispatcher:
                                 worker_finished, failure, last_error_event = True, event.error or "worker error", event
                                 break
                             worker_finished = event.finish_reason is not None
-                            absorbed.append(continuation.absorb(event))
-                            if finished := absorbed[-1].finish_reason is not None:
+                            absorbed.append((choice, continuation.absorb(event)))
+                            if finished := absorbed[-1][1].finish_reason is not None:
                                 break
                         if absorbed:
                             yield absorbed
@@ -149,17 +150,17 @@ class Dispatcher:
                     break
                 continue
             if continuation.migrations >= self._max_migrations:
-                yield [self._failed(attempt_id, f"the worker failed after {len(continuation.streamed_token_ids)} tokens "
-                                    f"and the request was already migrated {continuation.migrations} time(s): {failure}")]
+                yield [(choice, self._failed(attempt_id, f"the worker failed after {len(continuation.streamed_token_ids)} tokens "
+                                    f"and the request was already migrated {continuation.migrations} time(s): {failure}"))]
                 return
             logger.warning("request %s: %s failed after %d tokens (%s); migrating", request_id, route.target,
                            len(continuation.streamed_token_ids), failure)
             continuation.migrate()
             self._metrics.count_migration()
         if continuation.started:
-            yield [self._failed(request_id, "the worker failed mid-stream and no other worker can continue it")]
+            yield [(choice, self._failed(request_id, "the worker failed mid-stream and no other worker can continue it"))]
         elif last_error_event is not None:
-            yield [last_error_event]
+            yield [(choice, last_error_event)]
         else:
             raise no_workers_error(self._retry_after_s)
 

@@ -278,27 +278,27 @@ class Serving:
             self.metrics.observe_prompt_tokens(len(output.prompt_token_ids))
             self.metrics.observe_generation_tokens(len(output.token_ids))
 
-    async def _merged_events(self, request_id: str, plans: list[ChoicePlan],
-                             arrival_s: float) -> AsyncIterator[list[tuple[int, TokenEvent]]]:
-        """Events of all choices, interleaved as they come, in batches of what has arrived (what a worker sent in
-        one read comes as one batch: the response writes it at once); leaving early cancels (and so aborts) every
-        choice."""
-        if len(plans) == 1:  # one choice needs no merging
+    def _merged_events(self, request_id: str, plans: list[ChoicePlan],
+                       arrival_s: float) -> AsyncIterator[list[tuple[int, TokenEvent]]]:
+        """Events of all choices as (choice position, event), interleaved as they come, in batches of what has arrived
+        (what a worker sent in one read comes as one batch: the response writes it at once); leaving early cancels
+        (and so aborts) every choice. One choice's events are the dispatcher's own."""
+        if len(plans) == 1:
             plan = plans[0]
-            events = self.dispatcher.generate(f"{request_id}-{plan.index}", plan.prompt_token_ids, plan.sampling,
-                                              arrival_s)
-            async with contextlib.aclosing(events):
-                async for batch in events:
-                    yield [(0, event) for event in batch]
-            return
+            return self.dispatcher.generate(f"{request_id}-{plan.index}", plan.prompt_token_ids, plan.sampling, arrival_s)
+        return self._interleaved(request_id, plans, arrival_s)
+
+    async def _interleaved(self, request_id: str, plans: list[ChoicePlan],
+                           arrival_s: float) -> AsyncIterator[list[tuple[int, TokenEvent]]]:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(position: int, plan: ChoicePlan) -> None:
             try:
-                choice_events = self.dispatcher.generate(f"{request_id}-{plan.index}", plan.prompt_token_ids, plan.sampling, arrival_s)
+                choice_events = self.dispatcher.generate(f"{request_id}-{plan.index}", plan.prompt_token_ids,
+                                                         plan.sampling, arrival_s, position)
                 async with contextlib.aclosing(choice_events):
                     async for batch in choice_events:
-                        queue.put_nowait([(position, event) for event in batch])
+                        queue.put_nowait(batch)
                 queue.put_nowait(None)
             except APIError as error:
                 queue.put_nowait(error)
