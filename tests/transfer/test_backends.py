@@ -210,9 +210,9 @@ def test_a_vram_write_lands_exactly_on_the_gpu(progress_thread):
         reader.close()
 
 
-def test_a_write_waiting_for_the_agent_counts_that_wait_as_time_before_posting():
-    """The NIXL backend's agent takes one call at a time: a write asked for while another thread's call holds it
-    waits, and that wait is reported apart from the time NIXL took."""
+@pytest.fixture
+def nixl_pair():
+    """(writer, reader's notifications, the reader as the writer's peer): NIXL backends awaiting one write."""
     notifications = Notifications()
     suffix = uuid.uuid4().hex[:8]
     writer = open_nixl_backend(f"writer-{suffix}", pool(12, seed=0), lambda *_: None, progress_thread=False)
@@ -220,34 +220,32 @@ def test_a_write_waiting_for_the_agent_counts_that_wait_as_time_before_posting()
     try:
         peer = writer.add_peer(reader.metadata()).result(WAIT_S)
         reader.expect_notifications(1)
-        with writer._lock:  # another call into the agent, for 0.2 s
-            asked = ThreadPoolExecutor(1).submit(writer.write, peer, [0, 1], [2, 3], b"req-1", timeout_s=WAIT_S)
-            time.sleep(0.2)
-        result = asked.result(WAIT_S).result(WAIT_S)
-        assert notifications.next()[1] == b"req-1"
-        assert 0.2 <= result.queued_seconds <= result.posting_seconds <= result.seconds
+        yield writer, notifications, peer
     finally:
         writer.close()
         reader.close()
 
 
-def test_a_posted_write_is_seen_complete_while_another_post_holds_the_backend():
+def test_a_write_waiting_for_another_post_counts_that_wait_as_time_before_posting(nixl_pair):
+    """The NIXL backend posts one write at a time: a write asked for while another thread's post holds the backend
+    waits, and that wait is reported apart from the time NIXL took."""
+    writer, notifications, peer = nixl_pair
+    with writer._lock:  # another thread's post, for 0.2 s
+        asked = ThreadPoolExecutor(1).submit(writer.write, peer, [0, 1], [2, 3], b"req-1", timeout_s=WAIT_S)
+        time.sleep(0.2)
+    result = asked.result(WAIT_S).result(WAIT_S)
+    assert notifications.next()[1] == b"req-1"
+    assert 0.2 <= result.queued_seconds <= result.posting_seconds <= result.seconds
+
+
+def test_a_posted_write_is_seen_complete_while_another_post_holds_the_backend(nixl_pair):
     """The transfer thread checks writes without the backend's lock (NIXL's agent serializes its own calls): a post
     holding the lock, even one waiting for the GIL meanwhile, does not delay seeing another write complete."""
-    notifications = Notifications()
-    suffix = uuid.uuid4().hex[:8]
-    writer = open_nixl_backend(f"writer-{suffix}", pool(12, seed=0), lambda *_: None, progress_thread=False)
-    reader = open_nixl_backend(f"reader-{suffix}", pool(20, seed=1), notifications, progress_thread=False)
-    try:
-        peer = writer.add_peer(reader.metadata()).result(WAIT_S)
-        reader.expect_notifications(1)
-        future = writer.write(peer, [0, 1], [2, 3], b"req-1", timeout_s=WAIT_S)
-        with writer._lock:  # another thread's post, holding the backend for as long as this write takes
-            assert future.result(WAIT_S).num_bytes > 0
-        assert notifications.next()[1] == b"req-1"
-    finally:
-        writer.close()
-        reader.close()
+    writer, notifications, peer = nixl_pair
+    future = writer.write(peer, [0, 1], [2, 3], b"req-1", timeout_s=WAIT_S)
+    with writer._lock:  # another thread's post, holding the backend for as long as this write takes
+        assert future.result(WAIT_S).num_bytes > 0
+    assert notifications.next()[1] == b"req-1"
 
 
 def test_a_write_after_close_fails_at_once():
