@@ -94,9 +94,10 @@ class Dispatcher:
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, arrival_s: float, choice: int = 0
     ) -> AsyncIterator[list[tuple[int, TokenEvent]]]:
         """The request's TokenEvents, each as (`choice`, event) so that a response merges several choices' batches
-        without re-wrapping them, in the batches the worker's stream brought them. A worker failure before the first token retries on another rank (at most
-        `max_attempts` ranks, then APIError(503), or the last worker's error event if it sent one); after it, the
-        stream migrates to another decode path (at most `max_migrations` times, then an error event)."""
+        without re-wrapping them, in the batches the worker's stream brought them. A worker failure before the first
+        token retries on another rank (at most `max_attempts` ranks, then APIError(503), or the last worker's error
+        event if it sent one); after it, the stream migrates to another decode path (at most `max_migrations` times,
+        then an error event)."""
         continuation = Continuation(prompt_token_ids, sampling, self._make_detokenizer)
         excluded: set[RankKey] = set()
         failed_starts = 0
@@ -150,15 +151,17 @@ class Dispatcher:
                     break
                 continue
             if continuation.migrations >= self._max_migrations:
-                yield [(choice, self._failed(attempt_id, f"the worker failed after {len(continuation.streamed_token_ids)} tokens "
-                                    f"and the request was already migrated {continuation.migrations} time(s): {failure}"))]
+                message = (f"the worker failed after {len(continuation.streamed_token_ids)} tokens and the request "
+                           f"was already migrated {continuation.migrations} time(s): {failure}")
+                yield [(choice, self._failed(attempt_id, message))]
                 return
             logger.warning("request %s: %s failed after %d tokens (%s); migrating", request_id, route.target,
                            len(continuation.streamed_token_ids), failure)
             continuation.migrate()
             self._metrics.count_migration()
         if continuation.started:
-            yield [(choice, self._failed(request_id, "the worker failed mid-stream and no other worker can continue it"))]
+            message = "the worker failed mid-stream and no other worker can continue it"
+            yield [(choice, self._failed(request_id, message))]
         elif last_error_event is not None:
             yield [(choice, last_error_event)]
         else:

@@ -60,7 +60,8 @@ class RouterMetrics:
             return LoopHistogram(name, documentation, self._label_values, buckets, self.registry)
 
         self.time_to_first_token = histogram("pdserve_time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS_S)
-        self.inter_token_latency = histogram("pdserve_inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS_S)
+        self.inter_token_latency = histogram("pdserve_inter_token_latency_seconds", "Time between tokens.",
+                                             ITL_BUCKETS_S)
         self.e2e_request_latency = histogram("pdserve_e2e_request_latency_seconds", "Request latency.", E2E_BUCKETS_S)
         self.request_queue = histogram(
             "pdserve_request_queue_seconds", "Time from arrival to the request being sent to a worker.", QUEUE_BUCKETS_S

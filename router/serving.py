@@ -285,7 +285,8 @@ class Serving:
         (and so aborts) every choice. One choice's events are the dispatcher's own."""
         if len(plans) == 1:
             plan = plans[0]
-            return self.dispatcher.generate(f"{request_id}-{plan.index}", plan.prompt_token_ids, plan.sampling, arrival_s)
+            return self.dispatcher.generate(f"{request_id}-{plan.index}", plan.prompt_token_ids, plan.sampling,
+                                            arrival_s)
         return self._interleaved(request_id, plans, arrival_s)
 
     async def _interleaved(self, request_id: str, plans: list[ChoicePlan],
