@@ -230,6 +230,12 @@ async def load(url: str, concurrency: int, requests: int, stream: bool, tokens: 
             "gap_p99_ms": 1e3 * gaps[int(0.99 * (len(gaps) - 1))] if gaps else float("nan")}
 
 
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU seconds so far (Linux /proc): what a row cost the router or proxy process."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def wait_up(url: str, path: str, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -257,12 +263,13 @@ def run(args: argparse.Namespace) -> None:
             [sys.executable, "-m", "pdserve", "router", "--model", str(model_dir), "--served-model-name", MODEL,
              "--workers", stand_in_url, "--host", "127.0.0.1", "--port", str(router_port)], env=env))
         wait_up(router_url, "/ready")
-        proxy_url = None
+        router_pid, proxy_url, proxy_pid = processes[-1].pid, None, 0
         if args.floor:
             proxy_port = free_port()
             proxy_url = f"http://127.0.0.1:{proxy_port}"
             processes.append(subprocess.Popen([sys.executable, __file__, "proxy", "--port", str(proxy_port),
                                                "--target", stand_in_url]))
+            proxy_pid = processes[-1].pid
             wait_up(proxy_url, "/health")
         if args.token_interval_ms:
             scenarios = [("streaming, paced", args.concurrency, True)]
@@ -272,18 +279,22 @@ def run(args: argparse.Namespace) -> None:
             pace = "all tokens in one write at once"
         print(f"{args.requests} requests per row, {args.tokens} tokens each; one stand-in worker, {pace}")
         print("| scenario | concurrency | direct req/s | router req/s | ratio | direct p50 / p99 ms | router p50 / p99 ms "
-              "| added p50 ms | direct tok/s | router tok/s | chunk gap p99 ms direct / router |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+              "| added p50 ms | direct tok/s | router tok/s | chunk gap p99 ms direct / router | front CPU us / request |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for name, concurrency, stream in scenarios:
             direct = asyncio.run(load(stand_in_url, concurrency, args.requests, stream, args.tokens))
-            fronts = [(name, router_url)] + ([(f"{name}, bare proxy", proxy_url)] if proxy_url and not stream else [])
-            for row_name, url in fronts:
+            fronts = [(name, router_url, router_pid)]
+            if proxy_url and not stream:
+                fronts.append((f"{name}, bare proxy", proxy_url, proxy_pid))
+            for row_name, url, pid in fronts:
+                cpu_before_s = cpu_seconds(pid)
                 routed = asyncio.run(load(url, concurrency, args.requests, stream, args.tokens))
+                cpu_us = 1e6 * (cpu_seconds(pid) - cpu_before_s) / args.requests  # the warm-up's few included
                 print(f"| {row_name} | {concurrency} | {direct['req_s']:,.0f} | {routed['req_s']:,.0f} | "
                       f"{routed['req_s'] / direct['req_s']:.2f} | {direct['p50_ms']:.2f} / {direct['p99_ms']:.2f} | "
                       f"{routed['p50_ms']:.2f} / {routed['p99_ms']:.2f} | {routed['p50_ms'] - direct['p50_ms']:.2f} | "
                       f"{direct['tok_s']:,.0f} | {routed['tok_s']:,.0f} | {direct['gap_p99_ms']:.2f} / "
-                      f"{routed['gap_p99_ms']:.2f} |", flush=True)
+                      f"{routed['gap_p99_ms']:.2f} | {cpu_us:,.0f} |", flush=True)
     finally:
         for process in processes:
             process.terminate()
