@@ -186,8 +186,7 @@ def print_table(rows: list[Row]) -> None:
         flashinfer = "-" if r.flashinfer_ms is None else f"{r.flashinfer_ms:.3f} ({r.bf16_ms / r.flashinfer_ms:.2f}x)"
         print(f"| {r.gemm} | {r.tokens} | {r.bf16_ms:.3f} | {r.flops / r.bf16_ms / 1e9:.0f} | {r.fp8_ms:.3f} | "
               f"{r.flops / r.fp8_ms / 1e9:.0f} | {r.fp8_kernel} | {r.bf16_ms / r.fp8_ms:.2f}x | {triton} | "
-              f"{flashinfer} | "
-              f"{r.fp8_rel:.2e} | {r.fp8_max:.2e} | {r.bf16_rel:.2e} |")
+              f"{flashinfer} | {r.fp8_rel:.2e} | {r.fp8_max:.2e} | {r.bf16_rel:.2e} |")
 
 
 def main() -> None:

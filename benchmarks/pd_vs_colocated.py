@@ -83,7 +83,7 @@ def kv_rate_text(moved: dict[str, float]) -> str:
     queued_ms = moved.get("pdserve_kv_transfer_queued_seconds_total", 0.0) / count * 1e3
     post_call_ms = moved.get("pdserve_kv_transfer_post_call_seconds_total", 0.0) / count * 1e3
     return (f"{num_bytes / seconds / 1e9:.1f} GB/s ({num_bytes / count / 1e6:.3g} MB, {seconds / count * 1e3:.1f} "
-            f"ms/write, {posting_ms:.1f} ms of it before posting ({queued_ms:.1f} waiting for the agent), "
+            f"ms/write, {posting_ms:.1f} ms of it before posting ({queued_ms:.1f} waiting for another post), "
             f"{post_call_ms:.1f} in NIXL's post call, {ranges:.0f} byte ranges/write)")
 
 

@@ -103,15 +103,16 @@ class Dispatcher:
         failed_starts = 0
         last_error_event: TokenEvent | None = None
         for attempt in itertools.count():
+            prompt = continuation.next_prompt()  # the prompt and what was streamed: one list, made once an attempt
             deciding_s = time.perf_counter()
-            route = self.choose(continuation.next_prompt(), excluded)
+            route = self.choose(prompt, excluded)
             self._metrics.observe_routing_decision(time.perf_counter() - deciding_s)
             if route is None:
                 break
-            self._note_route(route, attempt, continuation, arrival_s)
+            self._note_route(route, attempt, continuation, prompt, arrival_s)
             attempt_id = f"{request_id}-{attempt}"  # unique per attempt: a half-started earlier one may linger
             worker_request = GenerateRequest(
-                request_id=attempt_id, rank=route.target[1], prompt_token_ids=continuation.next_prompt(),
+                request_id=attempt_id, rank=route.target[1], prompt_token_ids=prompt,
                 sampling=continuation.next_sampling(), plan=route.plan,
             )
             client = self._pool.client(route.target[0])
@@ -167,13 +168,13 @@ class Dispatcher:
         else:
             raise no_workers_error(self._retry_after_s)
 
-    def _note_route(self, route: Route, attempt: int, continuation: Continuation, arrival_s: float) -> None:
+    def _note_route(self, route: Route, attempt: int, continuation: Continuation, prompt: list[int],
+                    arrival_s: float) -> None:
         if attempt == 0:
             self._metrics.observe_queue(time.monotonic() - arrival_s)
             self._metrics.observe_prefix_match_ratio(route.matched_tokens / max(1, len(continuation.prompt_token_ids)))
         elif not continuation.started:
             self._metrics.count_retry()
-        prompt = continuation.next_prompt()
         self._index.record_assignment(route.prefill, prompt)
         self._pool.note_assignment(route.prefill, len(prompt) - route.matched_tokens)
         if route.target != route.prefill:

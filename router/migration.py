@@ -38,7 +38,7 @@ class Continuation:
         if not done:  # a first attempt, or a retry before any token: as asked (no copy, no re-validation)
             return self.sampling
         grammar = self.sampling.grammar
-        if grammar is not None and done:  # the next worker's matcher starts after what was streamed
+        if grammar is not None:  # the next worker's matcher starts after what was streamed
             grammar = replace(grammar, accepted_token_ids=grammar.accepted_token_ids + self.streamed_token_ids)
         return replace(self.sampling, max_tokens=self.sampling.max_tokens - done,
                        min_tokens=max(0, self.sampling.min_tokens - done), grammar=grammar)

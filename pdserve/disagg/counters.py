@@ -9,7 +9,7 @@ class HandoffCounters:
     kv_transfer_descriptors: int = 0  # byte ranges written: bytes / descriptors says how fragmented the pages were
     kv_transfer_failures: int = 0
     kv_transfer_posting_seconds: float = 0.0  # summed over writes: asking for each until NIXL had it
-    kv_transfer_queued_seconds: float = 0.0  # of those, waiting for the agent (another thread's call into it)
+    kv_transfer_queued_seconds: float = 0.0  # of those, waiting for another thread's post
     kv_transfer_post_call_seconds: float = 0.0  # summed: NIXL's post calls
     kv_transfer_seconds: list[float] = field(default_factory=list)  # one per write, drained by each metrics read
     reservations_refused: int = 0  # reservation queries with an unknown request, a wrong token, or asked twice

@@ -22,10 +22,10 @@ class WriteResult:
     num_bytes: int
     num_descriptors: int  # byte ranges moved: one per run of pages consecutive on both sides
     seconds: float  # from asking for the write to seeing it complete (its wait to be posted included)
-    # Of those, from asking until NIXL had the write: the wait for the agent and the descriptors' making (0 where a
-    # backend moves the bytes as it is asked).
+    # Of those, from asking until NIXL had the write: the wait for other threads' posts and the descriptors' making
+    # (0 where a backend moves the bytes as it is asked).
     posting_seconds: float = 0.0
-    queued_seconds: float = 0.0  # of posting_seconds, the wait for the agent (another thread's call into it)
+    queued_seconds: float = 0.0  # of posting_seconds, the wait for another thread's post to the same backend
     post_call_seconds: float = 0.0  # NIXL's post call (after posting_seconds; then the bytes are in flight)
 
 

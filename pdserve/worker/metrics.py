@@ -57,10 +57,10 @@ class WorkerMetrics:
             "pdserve_kv_transfer_descriptors": ("Byte ranges the KV writes moved (one per run of pages)",
                                                 lambda s, c: c.kv_transfer_descriptors),
             "pdserve_kv_transfer_posting_seconds": (
-                "Seconds of the KV writes' time before NIXL had them (the transfer thread's queue and the "
+                "Seconds of the KV writes' time before NIXL had them (other threads' posts and the "
                 "descriptors' making), summed", lambda s, c: c.kv_transfer_posting_seconds),
             "pdserve_kv_transfer_queued_seconds": (
-                "Of the KV writes' time before NIXL had them, the wait for the agent (another thread's call), summed",
+                "Of the KV writes' time before NIXL had them, the wait for another thread's post, summed",
                 lambda s, c: c.kv_transfer_queued_seconds),
             "pdserve_kv_transfer_post_call_seconds": ("Seconds in NIXL's post call of the KV writes, summed",
                                                       lambda s, c: c.kv_transfer_post_call_seconds),
