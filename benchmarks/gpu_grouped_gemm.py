@@ -14,6 +14,11 @@ experts of one EP8 rank at 4k-16k tokens, in TFLOP/s, cuBLAS against the Triton 
 FP8 lines: first the path GroupedMoE takes (block_fp8_grouped_linear: at these sizes the rows gathered while they are
 quantized, then CUTLASS's grouped kernel on SM90 where it builds), then our Triton TMA kernel on the same rows, then
 the Triton pointer kernel (gathering rows inside) at each tiling of the sweep.
+For the down projection (w2) three more lines take the activation along, from gate_up [rows, 2 x 2048] sorted by
+expert: bf16 (the compiled weighted SiLU-and-mul, then cuBLAS: the baseline of their speed-up column), FP8 with the
+activation written in bf16 then quantized (GroupedMoE's path before the fusion), and FP8 with the activation fused
+into the quantization (silu_and_mul_quantize, GroupedMoE's path at these sizes); errors against the float32 product
+of the float32 activations.
 `--diagnose` adds, for each tiling, the pointer kernel on rows gathered beforehand (what the in-kernel gather costs)
 and without the per-block scale step (what applying the scales costs; its output is not a product, so no error is
 printed), and the quantization with its gather alone.
@@ -24,8 +29,10 @@ import argparse
 import torch
 
 from benchmarks.gpu_fp8_gemm import V3_EXPERTS, errors, expert_rows, grouped_kernel, random_fp8, time_ms
+from pdserve.ops.block_fp8 import BlockFP8Weight
 
 V2_LITE_EXPERTS = {"w13 2048->2x1408": (64, 2816, 2048), "w2 1408->2048": (64, 2048, 1408)}
+V3_DOWN = "experts w2 2048->7168"  # the V3_EXPERTS entry whose input is the activation of gate_up
 TOP_K = 6
 PREFILL_TOKENS, V3_PREFILL_TOKENS = (1024, 2048, 4096, 8192), (4096, 16384)
 # (block_m, block_n, warps, stages) of pdserve.ops.gemm_triton.GemmTiles
@@ -139,6 +146,40 @@ def prefill_sweep(device: torch.device, bf16: bool = True, tilings: tuple[tuple[
             if diagnose:
                 sweep_line(name, tokens, rows, "quantize_rows with the gather, alone", flops, cublas_us,
                            lambda: quantize_rows(x, 128, row_index=row_index)[0], None, device)
+            if name == V3_DOWN:
+                activation_lines(name, tokens, weight, bf16_weight, ends, rows, device)
+
+
+def activation_lines(name: str, tokens: int, weight: BlockFP8Weight, bf16_weight: torch.Tensor, ends: torch.Tensor,
+                     rows: int, device: torch.device) -> None:
+    """The down projection with the activation before it, from gate_up rows sorted by expert: bf16 (the baseline of
+    the lines' speed-up column), FP8 from bf16 activations, FP8 from the fused activation-quantization."""
+    from pdserve.ops.fp8_gemm import (
+        block_fp8_grouped_linear_kernels,
+        block_fp8_grouped_linear_quantized,
+        block_fp8_grouped_linear_reference,
+    )
+    from pdserve.ops.gemm_triton import silu_and_mul_quantize
+    from pdserve.ops.moe_grouped import fused_weighted_silu_and_mul
+
+    inter = weight.shape[2]
+    gate_up = torch.randn(rows, 2 * inter, device=device).to(torch.bfloat16)
+    weights = torch.rand(rows, device=device)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    ref = block_fp8_grouped_linear_reference(torch.nn.functional.silu(gate) * up * weights[:, None], weight, ends)
+    del gate, up
+    activation = fused_weighted_silu_and_mul()
+    activation(gate_up, weights)  # compiled here, before the timed calls
+    flops = 2.0 * rows * weight.shape[1] * inter
+    bf16_us = sweep_line(name, tokens, rows, "bf16 SiLU-and-mul + cuBLAS", flops, None,
+                         lambda: torch._grouped_mm(activation(gate_up, weights), bf16_weight, offs=ends), ref, device)
+    sweep_line(name, tokens, rows, "FP8 SiLU-and-mul, then quantize + " + grouped_kernel(weight, rows, device), flops,
+               bf16_us, lambda: block_fp8_grouped_linear_kernels(activation(gate_up, weights), weight, ends), ref,
+               device)
+    sweep_line(name, tokens, rows, "FP8 SiLU-and-mul fused with quantize + " + grouped_kernel(weight, rows, device),
+               flops, bf16_us,
+               lambda: block_fp8_grouped_linear_quantized(*silu_and_mul_quantize(gate_up, weights, 128), weight, ends),
+               ref, device)
 
 
 def sort_times(device: torch.device) -> None:

@@ -105,13 +105,31 @@ def block_fp8_grouped_linear_kernels(x: torch.Tensor, weight: BlockFP8Weight, gr
     if tma_takes(weight, rows, x.device):
         # Prefill sizes: the rows gathered as they are quantized, so the GEMM loads whole tiles by TMA.
         q, scales = quantize_rows(x, weight.block_size[1], row_index=row_index)
-        # Eagerly the plain function: the operator's dispatch costs host time a call, which large eager prefill
-        # steps, host-bound in FP8, feel.
-        gemm = grouped_fp8_gemm_sorted_op if torch.compiler.is_compiling() else grouped_fp8_gemm_sorted
-        return gemm(q, scales, weight.values, weight.scale_inv, group_ends, *weight.block_size)
+        return block_fp8_grouped_linear_quantized(q, scales, weight, group_ends)
     # Decode sizes: each token quantized once, its rows gathered (one per routed slot) inside the GEMM.
     q, scales = quantize_rows(x, weight.block_size[1])
     return fp8_gemm(q, scales, weight, rows=rows, group_ends=group_ends, row_index=row_index)
+
+
+def takes_quantized_sorted_rows(x: torch.Tensor, weight: torch.Tensor | BlockFP8Weight) -> bool:
+    """Whether block_fp8_grouped_linear(x, weight, group_ends), rows sorted and without an index, quantizes x with
+    quantize_rows() and hands the rows to block_fp8_grouped_linear_quantized(): block-FP8 weights, the kernels
+    (uses_fp8_kernels) at prefill sizes (tma_takes). Rows quantized another way in that layout may be handed instead."""
+    if not isinstance(weight, BlockFP8Weight) or not uses_fp8_kernels(x):
+        return False
+    from pdserve.ops.gemm_triton import tma_takes
+
+    return tma_takes(weight, x.shape[0], x.device)
+
+
+def block_fp8_grouped_linear_quantized(q: torch.Tensor, scales: torch.Tensor, weight: BlockFP8Weight,
+                                       group_ends: torch.Tensor) -> torch.Tensor:
+    """Rows quantized in quantize_rows()'s layout, sorted by group, times their groups' weights, as tma_takes()
+    allows -> [rows, N] bf16."""
+    # Eagerly the plain function: the operator's dispatch costs host time a call, which large eager prefill steps,
+    # host-bound in FP8, feel.
+    gemm = grouped_fp8_gemm_sorted_op if torch.compiler.is_compiling() else grouped_fp8_gemm_sorted
+    return gemm(q, scales, weight.values, weight.scale_inv, group_ends, *weight.block_size)
 
 
 def grouped_fp8_gemm_sorted(q: torch.Tensor, scales: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor,

@@ -1,4 +1,5 @@
-"""Triton kernels on CUDA: activation quantization in 1 x 128 groups, and one GEMM over groups of rows (a single
+"""Triton kernels on CUDA: activation quantization in 1 x 128 groups (alone, or fused with the routed experts'
+weighted SiLU-and-mul, which then never writes its bf16 output), and one GEMM over groups of rows (a single
 group: a dense linear; one group per expert: routed experts over rows sorted by expert), block-FP8 or bf16.
 
 The GEMM walks K one block at a time: each step is a tensor-core product of a [rows, BLOCK_K] activation tile and a
@@ -8,7 +9,8 @@ decode-sized expert batches, a few rows per expert, where the GEMM is a read of 
 
 Two kernels: one loads its tiles through pointers and can gather each row by index (any GPU, any shape); the other,
 for block-FP8 experts at prefill sizes on Hopper, takes rows already gathered and sorted by expert and loads both
-operands with TMA descriptors (quantize_rows() gathers the rows as it quantizes them).
+operands with TMA descriptors (quantize_rows() gathers the rows as it quantizes them; the down projection's rows,
+sorted already, come from silu_and_mul_quantize()).
 """
 
 import functools
@@ -26,6 +28,18 @@ SWIZZLE_M = 8  # m-tiles walked down one column of n-tiles before moving right: 
 BF16_BLOCK_K = 64
 
 
+@triton.jit
+def _store_quantized(x, r, c, q_ptr, scale_ptr, padded_rows, cols, scale_group_stride, FP8_LIMIT: tl.constexpr):
+    """x [rows r, columns c] float32, one group of columns (program_id(1)) -> its FP8 codes and one scale per row."""
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.where(amax > 0, amax / FP8_LIMIT, 1.0)  # a zero group: any positive scale is exact
+    q = tl.minimum(tl.maximum(x / scale[:, None], -FP8_LIMIT), FP8_LIMIT)
+    in_buffer = r < padded_rows  # padding rows are written as zeros of scale 1
+    tl.store(q_ptr + r[:, None].to(tl.int64) * cols + c[None, :], q.to(q_ptr.dtype.element_ty),
+             mask=in_buffer[:, None] & (c < cols)[None, :])
+    tl.store(scale_ptr + tl.program_id(1) * scale_group_stride + r, scale, mask=in_buffer)
+
+
 # Row counts change with every batch: `do_not_specialize` keeps Triton from compiling a variant per their divisibility.
 @triton.jit(do_not_specialize=["rows", "padded_rows"])
 def _quantize_rows_kernel(x_ptr, row_index_ptr, q_ptr, scale_ptr, rows, padded_rows, cols, x_row_stride,
@@ -33,21 +47,40 @@ def _quantize_rows_kernel(x_ptr, row_index_ptr, q_ptr, scale_ptr, rows, padded_r
                           GATHER: tl.constexpr):
     r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     c = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
-    col_ok = c < cols
     row_ok = r < rows
     if GATHER:
         source = tl.load(row_index_ptr + r, mask=row_ok, other=0).to(tl.int64)
     else:
         source = r.to(tl.int64)
     x = tl.load(x_ptr + source[:, None] * x_row_stride + c[None, :],
-                mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.where(amax > 0, amax / FP8_LIMIT, 1.0)  # a zero group: any positive scale is exact
-    q = tl.minimum(tl.maximum(x / scale[:, None], -FP8_LIMIT), FP8_LIMIT)
-    in_buffer = r < padded_rows  # padding rows are written as zeros of scale 1
-    tl.store(q_ptr + r[:, None].to(tl.int64) * cols + c[None, :], q.to(q_ptr.dtype.element_ty),
-             mask=in_buffer[:, None] & col_ok[None, :])
-    tl.store(scale_ptr + tl.program_id(1) * scale_group_stride + r, scale, mask=in_buffer)
+                mask=row_ok[:, None] & (c < cols)[None, :], other=0.0).to(tl.float32)
+    _store_quantized(x, r, c, q_ptr, scale_ptr, padded_rows, cols, scale_group_stride, FP8_LIMIT)
+
+
+@triton.jit(do_not_specialize=["rows", "padded_rows"])
+def _silu_and_mul_quantize_kernel(gate_up_ptr, weight_ptr, q_ptr, scale_ptr, rows, padded_rows, inter,
+                                  gate_up_row_stride, scale_group_stride, GROUP: tl.constexpr,
+                                  BLOCK_ROWS: tl.constexpr, FP8_LIMIT: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    c = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    row_ok = r < rows
+    mask = row_ok[:, None] & (c < inter)[None, :]
+    gate_ptrs = gate_up_ptr + r[:, None].to(tl.int64) * gate_up_row_stride + c[None, :]
+    gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_ptrs + inter, mask=mask, other=0.0).to(tl.float32)
+    weight = tl.load(weight_ptr + r, mask=row_ok, other=0.0).to(tl.float32)
+    # torch's order of operations (F.silu(gate) * up * weight), so only exp's rounding can differ from it
+    x = gate / (1.0 + tl.exp(-gate)) * up * weight[:, None]
+    _store_quantized(x, r, c, q_ptr, scale_ptr, padded_rows, inter, scale_group_stride, FP8_LIMIT)
+
+
+def _quantized_rows_buffers(rows: int, cols: int, group: int, pad_rows_to: int,
+                            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (FP8 [M', cols], float32 scales [ceil(cols / group), M']) for `rows` rows, M' = rows rounded up to
+    `pad_rows_to`: the layout quantize_rows() documents."""
+    padded_rows = -(-rows // pad_rows_to) * pad_rows_to
+    q = torch.empty(padded_rows, cols, dtype=FP8_DTYPE, device=device)
+    return q, torch.empty(-(-cols // group), padded_rows, dtype=torch.float32, device=device)
 
 
 def quantize_rows(x: torch.Tensor, group: int, pad_rows_to: int = 1,
@@ -59,15 +92,32 @@ def quantize_rows(x: torch.Tensor, group: int, pad_rows_to: int = 1,
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows, cols = (x.shape[0] if row_index is None else row_index.numel()), x.shape[1]
-    padded_rows = -(-rows // pad_rows_to) * pad_rows_to
-    groups = -(-cols // group)
-    q = torch.empty(padded_rows, cols, dtype=FP8_DTYPE, device=x.device)
-    scales = torch.empty(groups, padded_rows, dtype=torch.float32, device=x.device)
-    if padded_rows and cols:
-        grid = (triton.cdiv(padded_rows, QUANTIZE_ROWS_PER_PROGRAM), groups)
-        _quantize_rows_kernel[grid](x, row_index if row_index is not None else x, q, scales, rows, padded_rows, cols,
+    q, scales = _quantized_rows_buffers(rows, cols, group, pad_rows_to, x.device)
+    if q.numel():
+        grid = (triton.cdiv(q.shape[0], QUANTIZE_ROWS_PER_PROGRAM), scales.shape[0])
+        _quantize_rows_kernel[grid](x, row_index if row_index is not None else x, q, scales, rows, q.shape[0], cols,
                                     x.stride(0), scales.stride(0), GROUP=group, BLOCK_ROWS=QUANTIZE_ROWS_PER_PROGRAM,
                                     FP8_LIMIT=FP8_MAX, GATHER=row_index is not None)
+    return q, scales
+
+
+def silu_and_mul_quantize(gate_up: torch.Tensor, weights: torch.Tensor, group: int,
+                          pad_rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [M, 2 * inter] and per-row weights [M] -> quantize_rows() of SiLU(gate) * up * weight computed in
+    float32 (the routed experts' activation, pdserve.ops.moe_grouped), in one pass: the activations are never
+    written in bf16 and read back to be quantized."""
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    if weights.shape != (rows,):
+        raise ValueError(f"one routing weight per row of gate_up {tuple(gate_up.shape)}, got {tuple(weights.shape)}")
+    weights = weights.contiguous()
+    q, scales = _quantized_rows_buffers(rows, inter, group, pad_rows_to, gate_up.device)
+    if q.numel():
+        grid = (triton.cdiv(q.shape[0], QUANTIZE_ROWS_PER_PROGRAM), scales.shape[0])
+        _silu_and_mul_quantize_kernel[grid](gate_up, weights, q, scales, rows, q.shape[0], inter, gate_up.stride(0),
+                                            scales.stride(0), GROUP=group, BLOCK_ROWS=QUANTIZE_ROWS_PER_PROGRAM,
+                                            FP8_LIMIT=FP8_MAX)
     return q, scales
 
 

@@ -18,7 +18,11 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.ops.block_fp8 import BlockFP8Weight
-from pdserve.ops.fp8_gemm import block_fp8_grouped_linear
+from pdserve.ops.fp8_gemm import (
+    block_fp8_grouped_linear,
+    block_fp8_grouped_linear_quantized,
+    takes_quantized_sorted_rows,
+)
 from pdserve.ops.token_dynamic import compile_token_dynamic
 
 # Decode-sized expert batches (up to this many routed rows per local expert on average) go to the Triton grouped
@@ -26,9 +30,9 @@ from pdserve.ops.token_dynamic import compile_token_dynamic
 SMALL_GROUPED_ROWS_PER_EXPERT = 32
 COUNTING_SORT_MAX_ROWS = 96  # routed rows (16 tokens of V2-Lite's 6 slots): where the counting sort wins, see below
 if importlib.util.find_spec("triton") is not None and torch.cuda.is_available():
-    from pdserve.ops.gemm_triton import bf16_grouped_gemm_op
+    from pdserve.ops.gemm_triton import bf16_grouped_gemm_op, silu_and_mul_quantize
 else:
-    bf16_grouped_gemm_op = None
+    bf16_grouped_gemm_op = silu_and_mul_quantize = None
 
 
 def weighted_silu_and_mul(gate_up: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -96,11 +100,7 @@ class GroupedMoE:
         order, inverse, group_ends = sort_by_group(torch.where(is_local, local_ids, num_local), num_local + 1)
         group_ends = group_ends[:-1]
         gate_up = grouped_linear(x, w13, group_ends, row_index=order // top_k)
-        # Inside a compiled region the plain function fuses with its neighbours anyway.
-        fused = x.is_cuda and not torch.compiler.is_compiling()
-        activation = fused_weighted_silu_and_mul() if fused else weighted_silu_and_mul
-        activations = activation(gate_up, topk_weights.reshape(-1)[order])
-        down = grouped_linear(activations, w2, group_ends)
+        down = activate_and_project_down(gate_up, topk_weights.reshape(-1)[order], w2, group_ends)
         # Unsort with a gather (the inverse permutation), unset rows read as zero (a select: they may hold NaN), then
         # sum each token's k slots (float32 accumulation, deterministic, unlike an atomic scatter-add).
         per_slot = torch.where(is_local[:, None], down[inverse], 0)
@@ -117,6 +117,20 @@ class CompiledGroupedMoE:
     @classmethod
     def build(cls, backend: str | Callable = "inductor") -> "CompiledGroupedMoE":
         return cls(compile_token_dynamic(GroupedMoE().forward, backend))
+
+
+def activate_and_project_down(gate_up: torch.Tensor, weights: torch.Tensor, w2: torch.Tensor | BlockFP8Weight,
+                              group_ends: torch.Tensor) -> torch.Tensor:
+    """grouped_linear(weighted_silu_and_mul(gate_up, weights), w2, group_ends) for rows sorted by group."""
+    # Inside a compiled region the plain function fuses with its neighbours anyway.
+    fused = gate_up.is_cuda and not torch.compiler.is_compiling()
+    if fused and silu_and_mul_quantize is not None and takes_quantized_sorted_rows(gate_up, w2):
+        # The FP8 GEMM at prefill sizes would quantize the activations in a pass of its own: the activation writes
+        # the FP8 rows and scales instead, and the bf16 activations (64 MB each way at V3's 16k rows) never exist.
+        q, scales = silu_and_mul_quantize(gate_up, weights, w2.block_size[1])
+        return block_fp8_grouped_linear_quantized(q, scales, w2, group_ends)
+    activation = fused_weighted_silu_and_mul() if fused else weighted_silu_and_mul
+    return grouped_linear(activation(gate_up, weights), w2, group_ends)
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor | BlockFP8Weight, group_ends: torch.Tensor,

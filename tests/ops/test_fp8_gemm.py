@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pdserve.ops.block_fp8 import BlockFP8Weight, dequantize_block_fp8, quantize_block_fp8
 from pdserve.ops.fp8_gemm import (
@@ -115,6 +116,79 @@ def test_quantize_rows_gathers_by_index(device):
     q, scales = quantize_rows(x, 128, row_index=row_index)
     ref_q, ref_scales = quantize_rows(x[row_index], 128)
     assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scales, ref_scales)
+
+
+def silu_and_mul_quantize_reference(gate_up: torch.Tensor, weights: torch.Tensor, group: int,
+                                    pad_rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """silu_and_mul_quantize's slow twin: SiLU(gate) * up * weight in float32 (never rounded to bf16), quantized by
+    torch in 1 x group blocks and laid out as quantize_rows() lays out its result (padding rows zeros of scale 1).
+    Returns (FP8 rows, scales, the float32 activations)."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    activations = F.silu(gate) * up * weights.float()[:, None]
+    padded_rows = -(-activations.shape[0] // pad_rows_to) * pad_rows_to
+    q, scales = quantize_block_fp8(F.pad(activations, (0, 0, 0, padded_rows - activations.shape[0])), (1, group))
+    return q, scales.t().contiguous(), activations
+
+
+def fp8_steps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many representable e4m3 values lie between a and b, +0 and -0 the same: codes of one sign are ordered by
+    magnitude, so a signed magnitude code counts them."""
+    def ordinal(q: torch.Tensor) -> torch.Tensor:
+        code = q.view(torch.uint8).int()
+        return torch.where(code >= 0x80, -(code & 0x7F), code)
+    return (ordinal(a) - ordinal(b)).abs()
+
+
+def random_gate_up(rows: int, inter: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [rows, 2 * inter] bf16 with a few large channels, and routing weights; rows 0-2 all zeros, row 3 of
+    weight zero, row 4 of gate zero: each quantizes to zeros of scale 1."""
+    gen = torch.Generator().manual_seed(rows + inter)
+    gate_up = torch.randn(rows, 2 * inter, generator=gen) * 3
+    gate_up[:, ::97] *= 20
+    gate_up[:3] = 0
+    gate_up[4, :inter] = 0
+    weights = torch.rand(rows, generator=gen)
+    weights[3] = 0
+    return gate_up.to(device, torch.bfloat16), weights.to(device)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's exp of -gate, large gates
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("inter", [2048, 256, 200])  # V3's; whole groups; a partial last group
+def test_silu_and_mul_quantize_matches_torch_activation_then_quantization(device, inter):
+    """Scales as torch's (up to the float32 rounding of exp), codes within one FP8 step of torch's (an activation an
+    ulp apart may round the other way at a boundary), in quantize_rows()'s layout: 37 rows (a partial block of rows)
+    padded to 40. In the interpreter, whose FP8 cast drops the carry into the exponent (see the quantize test), the
+    codes are held to quantize_rows() of the reference activations, which shares that cast."""
+    from pdserve.ops.gemm_triton import quantize_rows, silu_and_mul_quantize
+
+    gate_up, weights = random_gate_up(37, inter, device)
+    q, scales = silu_and_mul_quantize(gate_up, weights, 128, pad_rows_to=4)
+    ref_q, ref_scales, activations = silu_and_mul_quantize_reference(gate_up, weights, 128, pad_rows_to=4)
+    layout_q, layout_scales = quantize_rows(activations, 128, pad_rows_to=4)
+    assert q.dtype == layout_q.dtype and q.shape == layout_q.shape == ref_q.shape == (40, inter)
+    assert scales.shape == layout_scales.shape == ref_scales.shape and scales.stride() == layout_scales.stride()
+    torch.testing.assert_close(scales, ref_scales, rtol=1e-6, atol=0)
+    zero_rows = [0, 1, 2, 3, 4, 37, 38, 39]
+    assert torch.equal(scales[:, zero_rows], torch.ones_like(scales[:, zero_rows])) and not q[zero_rows].float().any()
+    steps = fp8_steps_apart(q, ref_q if device == "cuda" else layout_q)
+    assert steps.max() <= 1 and (steps > 0).float().mean() < 1e-3
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_sorted_grouped_gemm_takes_silu_and_mul_quantize_rows_unchanged(device):
+    """The fused kernel's rows and scales, handed to the sorted grouped GEMM as they are, give the product of the
+    values they encode: the layout is quantize_rows()'s."""
+    from pdserve.ops.gemm_triton import grouped_fp8_gemm_tma, silu_and_mul_quantize
+
+    weight = random_weight((4, 256, 384), device=device)
+    gate_up, weights = random_gate_up(150, 384, device)
+    ends = torch.tensor([40, 40, 110, 150], dtype=torch.int32, device=device)  # group 1 empty
+    q, scales = silu_and_mul_quantize(gate_up, weights, 128)
+    out = grouped_fp8_gemm_tma(q, scales, weight.values, weight.scale_inv, ends, weight.block_size[1])
+    encoded = dequantize_block_fp8(q, scales.t(), (1, 128))
+    assert rel_err(out, block_fp8_grouped_linear_reference(encoded, weight, ends)) < KERNEL_TO_EMULATION
 
 
 def kernel_shapes(device: str) -> list[tuple[int, int]]:

@@ -162,3 +162,47 @@ def test_grouped_moe_fp8_kernels_match_torch_reference_on_gpu(num_tokens):
     out = GroupedMoE().forward(x, ids, weights, fp8_w13, fp8_w2, 0)
     assert out.dtype == torch.bfloat16 and not torch.isnan(out).any()
     assert rel_err(out, ref) < FP8_MOE_TO_REFERENCE
+
+
+@pytest.mark.gpu
+def test_grouped_moe_fp8_at_prefill_sizes_leaves_other_ranks_slots_out_and_repeats_itself():
+    """Half the slots routed to other ranks' experts sort past the last group. CUTLASS's kernel once took their
+    activation scales for the last group's and wrote them over its next K block's: 0.23 from the reference and a
+    different answer each run, on an H200. Prefill sizes (TMA rows), V3's widths, 8 slots."""
+    x, ids, weights, w13, w2 = random_moe_inputs("cuda", num_tokens=2048, hidden=1024, inter=2048, experts=16,
+                                                 top_k=8, extra_ids=16)
+    fp8_w13, fp8_w2 = fp8_experts(w13, w2)
+    ids = ids - 8  # some ids fall below and above this rank's range
+    ref = TorchMoE().forward(x.float(), ids, weights, fp8_w13, fp8_w2, 0)
+    first = GroupedMoE().forward(x, ids, weights, fp8_w13, fp8_w2, 0)
+    assert rel_err(first, ref) < FP8_MOE_TO_REFERENCE
+    assert torch.equal(GroupedMoE().forward(x, ids, weights, fp8_w13, fp8_w2, 0), first)
+
+
+@pytest.mark.gpu
+def test_grouped_moe_fp8_fused_activation_quantization_matches_the_bf16_activations_path(monkeypatch):
+    """At prefill sizes the down projection's FP8 rows come from SiLU-and-mul fused with their quantization; with the
+    fusion turned off they are quantized from bf16 activations. The two differ by that bf16 rounding (1.2e-2 in float32
+    emulation and on an H200) and are as far from the reference (4.35e-2 there, the gate/up product's FP8 rounding
+    being the larger part). V3's intermediate width, 1,024 rows per expert."""
+    from pdserve.ops import gemm_triton, moe_grouped
+
+    x, ids, weights, w13, w2 = random_moe_inputs("cuda", num_tokens=2048, hidden=1024, inter=2048, experts=16,
+                                                 top_k=8)
+    fp8_w13, fp8_w2 = fp8_experts(w13, w2)
+    fused_calls = []
+
+    def counted_silu_and_mul_quantize(*args):
+        fused_calls.append(args)
+        return gemm_triton.silu_and_mul_quantize(*args)
+
+    monkeypatch.setattr(moe_grouped, "silu_and_mul_quantize", counted_silu_and_mul_quantize)
+    fused = GroupedMoE().forward(x, ids, weights, fp8_w13, fp8_w2, 0)
+    assert len(fused_calls) == 1
+    monkeypatch.setattr(moe_grouped, "takes_quantized_sorted_rows", lambda gate_up, w2: False)
+    unfused = GroupedMoE().forward(x, ids, weights, fp8_w13, fp8_w2, 0)
+    assert len(fused_calls) == 1
+    ref = TorchMoE().forward(x.float(), ids, weights, fp8_w13, fp8_w2, 0)
+    assert fused.dtype == torch.bfloat16 and not torch.isnan(fused).any()
+    assert rel_err(fused, unfused) < 2e-2
+    assert rel_err(fused, ref) < FP8_MOE_TO_REFERENCE and rel_err(unfused, ref) < FP8_MOE_TO_REFERENCE

@@ -148,7 +148,9 @@ __global__ void compact_row_scales(const float* a_scales, int scale_rows, const 
                                    int k_blocks, float* compact) {
   int row = blockIdx.x * blockDim.x + threadIdx.x;
   int kb = blockIdx.y;
-  if (row >= rows) return;
+  // Rows past the last group (slots of other ranks' experts) have no scales to keep: as the last group's they would
+  // land on its next K block's.
+  if (row >= rows || row >= group_ends[groups - 1]) return;
   int lo = 0, hi = groups - 1;  // the first group whose end is past this row
   while (lo < hi) {
     int mid = (lo + hi) / 2;
