@@ -105,7 +105,8 @@ def cluster_config(args: argparse.Namespace, log_dir: Path) -> tuple[ClusterConf
     if args.deployment == "conditional":
         router_args = ("--local-prefill-max-tokens", str(args.local_prefill_max_tokens),
                        "--local-prefill-min-wait-ms", str(args.local_prefill_min_wait_ms),
-                       "--local-prefill-max-stall-ms", str(args.local_prefill_max_stall_ms))
+                       "--local-prefill-max-stall-ms", str(args.local_prefill_max_stall_ms),
+                       "--local-prefill-long-step-share", str(args.local_prefill_long_step_share))
     cfg = ClusterConfig(model, port=0, worker_args=tuple(worker_args + args.worker_args.split()), router_args=router_args,
                         start_timeout_s=480.0, log_dir=str(log_dir), **ROLES[args.deployment])
     return cfg, preset
@@ -226,7 +227,10 @@ def main() -> int:
     run_parser.add_argument("--local-prefill-min-wait-ms", type=float, default=0.0,
                             help="conditional: the prefill rank's queue time that makes it busy (0: no test)")
     run_parser.add_argument("--local-prefill-max-stall-ms", type=float, default=0.0,
-                            help="conditional: the longest the decode worker's prompts may take (0: no limit)")
+                            help="conditional: the longest step (decode + a chunk) a decode worker's prompt may "
+                                 "make (0: no test)")
+    run_parser.add_argument("--local-prefill-long-step-share", type=float, default=0.0,
+                            help="conditional: the share of the decode worker's steps prompts may make longer")
     run_parser.add_argument("--worker-args", default="", help="extra `pdserve worker` flags, space-separated")
     run_parser.add_argument("--out", default="bench-out")
     compare_parser = sub.add_parser("compare", help="tables and plots from the runs in --out")

@@ -40,9 +40,12 @@ class RouterConfig:
                                               "(0: always)")
     local_prefill_min_wait_ms: float = setting(0.0, "...and prompt tokens queued there for at least this long at its "
                                                     "measured prefill speed (0: no test)")
-    local_prefill_max_stall_ms: float = setting(0.0, "...if the decode rank gets through the prompts queued there and "
-                                                     "this one within this long, the time its decodes are slowed "
-                                                     "(0: no limit)")
+    local_prefill_max_stall_ms: float = setting(0.0, "...if the decode rank's steps, its decode step plus a chunk of "
+                                                     "the prompts it computes (its --mixed-prefill-tokens), last at "
+                                                     "most this long and it is done with the prompt sooner than the "
+                                                     "prefill rank would be (0: no test)")
+    local_prefill_long_step_share: float = setting(0.0, "...or, with longer steps, if those keep within this share of "
+                                                        "the decode rank's steps (0: none)")
     api_keys: frozenset[str] = field(default_factory=frozenset)  # empty: no authentication (--api-keys-file)
     # Limits: what a request may ask for before it is refused with a 4xx.
     max_body_bytes: int = setting(4 * 1024 * 1024, "larger request bodies get a 413")
@@ -83,6 +86,7 @@ class RouterConfig:
             (min(self.local_prefill_max_tokens, self.local_prefill_min_queue, self.local_prefill_min_wait_ms,
                  self.local_prefill_max_stall_ms) >= 0,
              "local_prefill_max_tokens, _min_queue, _min_wait_ms and _max_stall_ms must be >= 0"),
+            (0 <= self.local_prefill_long_step_share <= 1, "local_prefill_long_step_share must be in [0, 1]"),
             (self.max_attempts >= 1, "max_attempts must be >= 1"),
             (self.max_migrations >= 0, "max_migrations must be >= 0"),
             (self.eject_after_failures >= 1, "eject_after_failures must be >= 1"),

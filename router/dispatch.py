@@ -4,6 +4,7 @@ another rank while no token has come back, migrate the stream to another decode 
 abort on the worker when the caller stops listening."""
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -17,7 +18,7 @@ from pdserve.wire.sampling import SamplingParams
 from pdserve_router.errors import APIError
 from pdserve_router.metrics import RouterMetrics
 from pdserve_router.migration import Continuation, DetokenizerFactory
-from pdserve_router.policies import LocalPrefillRule, Policy, RoutingRequest, choose_decode
+from pdserve_router.policies import LocalPrefillRule, LongStepAllowance, Policy, RoutingRequest, choose_decode
 from pdserve_router.prefix_index import PrefixIndex, RankKey
 from pdserve_router.workers import WorkerPool
 
@@ -53,6 +54,7 @@ class Dispatcher:
         self._max_attempts = max_attempts
         self._max_migrations = max_migrations
         self._local_prefill = local_prefill
+        self._long_steps: dict[RankKey, LongStepAllowance] = collections.defaultdict(LongStepAllowance)
         self._make_detokenizer = make_detokenizer
         self._first_token_timeout_s = first_token_timeout_s
         self._retry_after_s = retry_after_s
@@ -84,7 +86,7 @@ class Dispatcher:
         decode = decode_ranks.keys[choose_decode(self._pool.loads_of(decode_ranks), sequence_number)]
         if self._local_prefill.enabled and self._local_prefill.prefill_on_decode(
                 len(prompt_token_ids), int(loads.queue[chosen]), *self._pool.prefill_backlog(prefill),
-                *self._pool.prefill_backlog(decode)):
+                *self._pool.decode_backlog(decode), self._long_steps[decode], time.monotonic()):
             self._metrics.count_local_prefill()
             return Route(decode, decode, Plan(kind="both"), 0)
         plan = Plan(kind="decode", prefill=PrefillSource(url=prefill[0], rank=prefill[1]))

@@ -10,6 +10,7 @@ Plain lists scored in one comprehension: at 1-128 candidates that is faster than
 """
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -74,39 +75,83 @@ def choose_decode(loads: CandidateLoads, sequence_number: int) -> int:
     return route_least_load(loads, {}, RoutingRequest(prompt_len=0, sequence_number=sequence_number))
 
 
+MAX_SAVED_LONG_STEPS = 16.0  # a quiet decode rank saves up at most this many long steps: one long document's chunks
+
+
+class LongStepAllowance:
+    """One decode rank's allowance of steps longer than LocalPrefillRule.max_stall_s: each of its decode steps earns
+    `long_step_share` of one, and a prompt prefilled there spends one for each chunk step it makes long. An ITL
+    percentile tolerates a share of long gaps, not a number: the allowance keeps their share of the rank's steps,
+    whatever its batch and step time (a long prompt now and then at low rates, none at a busy rank's high ones)."""
+
+    def __init__(self) -> None:
+        self.saved = MAX_SAVED_LONG_STEPS
+        self._earned_until_s: float | None = None
+
+    def earn(self, now_s: float, decode_step_s: float, share: float) -> None:
+        if self._earned_until_s is not None and decode_step_s > 0:
+            steps = (now_s - self._earned_until_s) / decode_step_s
+            self.saved = min(MAX_SAVED_LONG_STEPS, self.saved + steps * share)
+        self._earned_until_s = now_s
+
+
 @dataclass(frozen=True)
 class LocalPrefillRule:
-    """Conditional disaggregation: a short prompt whose prefill rank is busy is prefilled on its decode rank (plan
-    `both`) instead of queueing behind long prefills and paying for a KV hand-off it barely needs, as long as
-    computing it there stalls that rank's decodes briefly. Busy and brief are measured: the ranks report the prompt
-    tokens they have queued and the prefill speed of their recent steps (pdserve.worker.prefill_rate)."""
+    """Conditional disaggregation: a prompt whose prefill rank is busy is prefilled on its decode rank (plan `both`)
+    instead of queueing behind other prefills and paying for a KV hand-off, as long as the decode rank's requests
+    barely feel it. Busy and barely are measured: the ranks report the prompt tokens they have queued, the prefill
+    speed and the decode step of their recent steps (pdserve.worker.step_speeds), and the most prompt tokens a step
+    computes beside decodes (a decode worker's --mixed-prefill-tokens: a long prompt goes in chunks)."""
 
     # Prompts of at most this many tokens (all of them: the decode rank holds no prefix for them); 0: never.
     max_tokens: int = 0
     min_prefill_queue: int = 1  # ...when the prefill rank has at least this many requests running or waiting,
     min_wait_s: float = 0.0  # ...its queued prompt tokens would take it at least this long (0: no test),
-    # ...and the decode rank computes the prompt, after the prompts already queued there, within this long (0: no
-    # limit): the stall its running decodes take
+    # ...and the decode rank's steps while it computes its queued prompts and this one last at most this long: its
+    # decode step plus one chunk, the inter-token gap its running requests then see (0: no test). With this test the
+    # decode rank must also be done with the prompt sooner than the prefill rank would be.
     max_stall_s: float = 0.0
+    # ...or, longer, make at most this share of the decode rank's steps long (LongStepAllowance; 0: none)
+    long_step_share: float = 0.0
 
     @property
     def enabled(self) -> bool:
         return self.max_tokens > 0
 
     def prefill_on_decode(self, prompt_tokens: int, prefill_queue: int, queued_prompt_tokens: int,
-                          prefill_rate: float, decode_queued_prompt_tokens: int, decode_rate: float) -> bool:
+                          prefill_rate: float, decode_queued_prompt_tokens: int, decode_step_s: float,
+                          decode_chunk_tokens: int, allowance: LongStepAllowance | None = None,
+                          now_s: float = 0.0) -> bool:
         """`prefill_queue`, `queued_prompt_tokens`, `prefill_rate`: requests, prompt tokens still to compute and
         measured prompt tokens per second of the prefill rank chosen for the prompt; the decode rank's prompt tokens
-        and rate likewise (its rate 0 where it has not prefilled yet: the prefill rank's stands in, the same model
-        on the same kind of GPU). A wait cannot be told without a rate, so a rank not yet measured is never
-        busy by `min_wait_s`."""
+        still to compute, its decode step (0: idle or not measured) and its chunk (0: the whole prompt at once), and
+        its allowance of long steps (spent here when the prompt goes there). The prefill rank's speed stands in for
+        the decode rank's (the same model on the same kind of GPU), so without it neither a wait nor a step can be
+        told: such a rank is never busy by `min_wait_s` or brief by `max_stall_s`."""
         if prompt_tokens > self.max_tokens or prefill_queue < self.min_prefill_queue:
             return False
         if self.min_wait_s and (not prefill_rate or queued_prompt_tokens / prefill_rate < self.min_wait_s):
             return False
-        rate = decode_rate or prefill_rate
-        stall_s = (decode_queued_prompt_tokens + prompt_tokens) / rate if rate else 0.0
-        return not (self.max_stall_s and stall_s > self.max_stall_s)
+        if not self.max_stall_s:
+            return True
+        if not prefill_rate:
+            return False
+        local_tokens = decode_queued_prompt_tokens + prompt_tokens
+        chunk = min(decode_chunk_tokens or local_tokens, local_tokens)
+        step_s = decode_step_s + chunk / prefill_rate
+        steps = math.ceil(local_tokens / chunk)
+        if steps * step_s >= (queued_prompt_tokens + prompt_tokens) / prefill_rate:
+            return False  # not done sooner than on the prefill rank
+        if step_s <= self.max_stall_s:
+            return True
+        if allowance is None or not self.long_step_share:
+            return False
+        allowance.earn(now_s, decode_step_s, self.long_step_share)
+        long_steps = math.ceil(prompt_tokens / chunk)  # this prompt's (the queued ones have paid for theirs)
+        if allowance.saved < long_steps:
+            return False
+        allowance.saved -= long_steps
+        return True
 
 
 def make_policy(name: str, prefix_weight: float, load_weight: float) -> Policy:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.wire.protocol import RankLoad
+from pdserve.wire.protocol import RankInfo, RankLoad
 from pdserve_router.policies import CandidateLoads
 from pdserve_router.prefix_index import RankKey
 
@@ -38,18 +38,22 @@ class RankTable:
         self._page_use = np.zeros(0)
         self._queued_prompt_tokens = np.zeros(0, dtype=np.int64)
         self._prefill_rate = np.zeros(0)  # prompt tokens per second; 0: not measured yet
+        self._decode_step_s = np.zeros(0)  # 0: not measured yet, or nothing running
+        self._chunk_tokens: list[int] = []  # RankInfo.prefill_chunk_tokens
 
-    def rebuild(self, ranks: Iterable[tuple[RankKey, RankLoad | None]]) -> None:
-        """A row per rank (the ranks known now, with their last polled load; None: not polled yet, idle). The
-        assignments counted since each rank's last poll are dropped: the next poll brings them back."""
+    def rebuild(self, ranks: Iterable[tuple[RankKey, RankInfo, RankLoad | None]]) -> None:
+        """A row per rank (the ranks known now, with their info and last polled load; None: not polled yet, idle).
+        The assignments counted since each rank's last poll are dropped: the next poll brings them back."""
         ranks = list(ranks)
-        self._slot_of = {key: slot for slot, (key, _) in enumerate(ranks)}
-        self._queue = np.array([load.running + load.waiting if load else 0 for _, load in ranks], dtype=np.int64)
-        self._page_use = np.array([page_use(load) if load else 0.0 for _, load in ranks], dtype=np.float64)
-        self._queued_prompt_tokens = np.array([load.queued_prompt_tokens if load else 0 for _, load in ranks],
+        loads = [load for _, _, load in ranks]
+        self._slot_of = {key: slot for slot, (key, _, _) in enumerate(ranks)}
+        self._chunk_tokens = [info.prefill_chunk_tokens for _, info, _ in ranks]
+        self._queue = np.array([load.running + load.waiting if load else 0 for load in loads], dtype=np.int64)
+        self._page_use = np.array([page_use(load) if load else 0.0 for load in loads], dtype=np.float64)
+        self._queued_prompt_tokens = np.array([load.queued_prompt_tokens if load else 0 for load in loads],
                                               dtype=np.int64)
-        self._prefill_rate = np.array([load.prefill_tokens_per_s if load else 0.0 for _, load in ranks],
-                                      dtype=np.float64)
+        self._prefill_rate = np.array([load.prefill_tokens_per_s if load else 0.0 for load in loads], dtype=np.float64)
+        self._decode_step_s = np.array([load.decode_step_s if load else 0.0 for load in loads], dtype=np.float64)
 
     def candidates(self, keys: list[RankKey]) -> Candidates:
         """`keys` must all have rows (be known at the last rebuild)."""
@@ -66,6 +70,7 @@ class RankTable:
             self._page_use[slot] = page_use(load)
             self._queued_prompt_tokens[slot] = load.queued_prompt_tokens
             self._prefill_rate[slot] = load.prefill_tokens_per_s
+            self._decode_step_s[slot] = load.decode_step_s
 
     def add_waiting(self, key: RankKey, prompt_tokens: int) -> None:
         """The router just sent the rank a request: counted as queued (and its prompt as prompt tokens to compute)
@@ -81,3 +86,11 @@ class RankTable:
         if slot is None:
             return 0, 0.0
         return int(self._queued_prompt_tokens[slot]), float(self._prefill_rate[slot])
+
+    def decode_backlog(self, key: RankKey) -> tuple[int, float, int]:
+        """(prompt tokens queued on the rank, its decode step's seconds, 0 if not measured or idle, the most prompt
+        tokens a step of it computes beside decodes, 0 if not told)."""
+        slot = self._slot_of.get(key)
+        if slot is None:
+            return 0, 0.0, 0
+        return int(self._queued_prompt_tokens[slot]), float(self._decode_step_s[slot]), self._chunk_tokens[slot]

@@ -117,6 +117,9 @@ class WorkerPool:
     def prefill_backlog(self, key: RankKey) -> tuple[int, float]:
         return self._table.prefill_backlog(key)
 
+    def decode_backlog(self, key: RankKey) -> tuple[int, float, int]:
+        return self._table.decode_backlog(key)
+
     def report_failure(self, url: str) -> None:
         """A request could not reach the worker: route around it until its next health check decides. Only health
         checks eject, so a burst of concurrent failures (one slow moment under load) does not eject a live worker."""
@@ -153,7 +156,7 @@ class WorkerPool:
             self._rebuild_table()
 
     def _rebuild_table(self) -> None:
-        self._table.rebuild(((worker.url, rank.rank), worker.rank_loads.get(rank.rank))
+        self._table.rebuild(((worker.url, rank.rank), rank, worker.rank_loads.get(rank.rank))
                             for worker in self._in_url_order if worker.info is not None for rank in worker.info.ranks)
         self._views.clear()
 

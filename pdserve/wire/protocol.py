@@ -160,6 +160,7 @@ class RankLoad:
     warming_up: bool = False  # running its warm-up (a restarted rank): not ready for traffic yet
     queued_prompt_tokens: int = 0  # prompt tokens waiting or in prefill, still to compute
     prefill_tokens_per_s: float = 0.0  # prompt tokens the rank computed per second of its recent steps (0: none yet)
+    decode_step_s: float = 0.0  # its recent decode-only steps' time while it has requests running (else 0)
 
 
 @dataclass
@@ -174,6 +175,7 @@ class RankInfo:
     num_pages: int
     agent_name: str
     warmup_s: float = 0.0  # how long the rank ran its warm-up before it reported ready
+    prefill_chunk_tokens: int = 0  # the most prompt tokens a step computes beside running decodes (0: not told)
 
 
 @dataclass

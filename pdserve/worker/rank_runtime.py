@@ -261,8 +261,10 @@ class RankRuntime:
         await self._http.close()
 
     def info(self) -> RankInfo:
-        return RankInfo(self.cfg.rank, self.cfg.engine.page_size, self.engine.allocator.num_pages, self.backend.name,
-                        self.warmup_s)
+        engine = self.cfg.engine
+        return RankInfo(self.cfg.rank, engine.page_size, self.engine.allocator.num_pages, self.backend.name,
+                        self.warmup_s,
+                        min(engine.mixed_prefill_tokens or engine.max_num_batched_tokens, engine.max_num_batched_tokens))
 
     def load(self) -> RankLoad:
         snapshot = self.steps.snapshot
@@ -270,7 +272,7 @@ class RankRuntime:
         return RankLoad(self.cfg.rank, stats.running, stats.waiting + self._port.waiting_for_room, stats.free_pages,
                         stats.total_pages, stats.prefix_cache_pages, snapshot.steps_completed,
                         time.monotonic() - snapshot.turned_s, not self.warmed_up, stats.queued_prompt_tokens,
-                        snapshot.prefill_tokens_per_s)
+                        snapshot.prefill_tokens_per_s, snapshot.decode_step_s if stats.running else 0.0)
 
     def stats(self) -> "RankStats":
         return RankStats(self.steps.snapshot.engine, self.counters.drain())

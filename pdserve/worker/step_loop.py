@@ -18,7 +18,7 @@ from pdserve.engine.lockstep import Lockstep
 from pdserve.engine.step_shape import StepShape
 from pdserve.engine.step_trace import StepTrace
 from pdserve.worker.gc_pauses import GcClock
-from pdserve.worker.prefill_rate import PrefillRate
+from pdserve.worker.step_speeds import StepSpeeds
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -41,7 +41,8 @@ class RankSnapshot:
     engine: EngineStats  # refreshed at most every SNAPSHOT_INTERVAL_S
     steps_completed: int
     turned_s: float  # monotonic time the loop last came around
-    prefill_tokens_per_s: float = 0.0  # PrefillRate's
+    prefill_tokens_per_s: float = 0.0  # StepSpeeds'
+    decode_step_s: float = 0.0  # StepSpeeds'
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class StepLoop:
         self._thread: threading.Thread | None = None
         self._broken: str | None = None
         self._steps_completed = 0
-        self._prefill_rate = PrefillRate()
+        self._speeds = StepSpeeds()
         self._stats_published_s = time.monotonic()
         self.snapshot = RankSnapshot(engine.stats(), 0, self._stats_published_s)
 
@@ -138,14 +139,14 @@ class StepLoop:
             return []
         started_s = time.monotonic()
         self._end_turn(started_s)
-        self._prefill_rate.turn_ended(started_s)
+        self._speeds.turn_ended(started_s)
         gc_s = self._gc.seconds if self._gc is not None else 0.0
         if self.test_step_delay_s:
             time.sleep(self.test_step_delay_s)
         engine_started_s = time.monotonic()
         outputs = self.engine.step(force_forward=self._lockstep is not None)
         self._steps_completed += 1
-        self._prefill_rate.turn_started(started_s, self.engine.last_step.prefill_tokens)
+        self._speeds.turn_started(started_s, self.engine.last_step)
         if self.trace is not None and self.engine.last_step.ran_work:
             engine_ms = (time.monotonic() - engine_started_s) * 1000
             self._open_turn = _OpenTurn(self.engine.last_step, started_s, engine_ms, gc_s,
@@ -161,10 +162,11 @@ class StepLoop:
 
     def _went_idle(self) -> None:
         """The wait for work that follows is no step's cost; what the trace holds is written before it, and the
-        snapshot gets the prefill speed of the turn that just ended (the loop may sleep until a command comes)."""
+        snapshot gets the speeds of the turn that just ended (the loop may sleep until a command comes)."""
         now = time.monotonic()
-        self._prefill_rate.turn_ended(now)
-        self.snapshot = replace(self.snapshot, prefill_tokens_per_s=self._prefill_rate.tokens_per_s)
+        self._speeds.turn_ended(now)
+        self.snapshot = replace(self.snapshot, prefill_tokens_per_s=self._speeds.prefill_tokens_per_s,
+                                decode_step_s=self._speeds.decode_step_s)
         if self.trace is not None:
             self._end_turn(now)
             self.trace.flush()
@@ -175,7 +177,8 @@ class StepLoop:
         # About to idle (and perhaps sleep until a closure comes): publish what the last steps did now.
         if now - self._stats_published_s >= SNAPSHOT_INTERVAL_S or not self.engine.has_work():
             stats, self._stats_published_s = self.engine.stats(), now
-        self.snapshot = RankSnapshot(stats, self._steps_completed, now, self._prefill_rate.tokens_per_s)
+        speeds = self._speeds
+        self.snapshot = RankSnapshot(stats, self._steps_completed, now, speeds.prefill_tokens_per_s, speeds.decode_step_s)
 
     def _break(self, message: str) -> None:
         """Stop taking work and fail whatever is queued, so no caller waits on a step thread that has ended."""

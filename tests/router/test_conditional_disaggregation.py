@@ -10,6 +10,7 @@ from probes import internal_headers, metric_total
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.inprocess import InProcessCluster
 from pdserve.cluster.layout import ClusterConfig
+from pdserve.engine.config import EngineConfig
 
 MAX_LOCAL_TOKENS = 32
 TIMEOUT_S = 60.0
@@ -51,3 +52,7 @@ def test_short_prompts_prefill_on_the_decode_worker_and_long_ones_on_the_prefill
     # What the rule reads: the prefill rank measured its prefill speed, and has no prompt left to compute.
     rank = httpx.get(prefill.url + "/internal/v1/load", headers=internal_headers(), timeout=TIMEOUT_S).json()["ranks"][0]
     assert rank["prefill_tokens_per_s"] > 0 and rank["queued_prompt_tokens"] == 0
+    # ...and the decode rank tells the most prompt tokens its steps compute beside decodes (the engine's budget here)
+    decode = next(w for w in cluster.workers if w.name.startswith("decode"))
+    info = httpx.get(decode.url + "/internal/v1/info", headers=internal_headers(), timeout=TIMEOUT_S).json()
+    assert info["ranks"][0]["prefill_chunk_tokens"] == EngineConfig(model=tiny_v2).max_num_batched_tokens

@@ -46,6 +46,7 @@ def test_loads_follow_polls_and_assignments_and_survive_workers_coming(tmp_path)
     assert pool.prefill_backlog(("http://a", 0)) == (900, 3000.0)
     assert pool.prefill_backlog(("http://a", 1)) == (150, 0.0)  # not measured yet
     assert pool.loads_of(pool.candidates(("prefill",), {("http://a", 0)})).queue == [2, 0]
+    assert pool.decode_backlog(("http://a", 1)) == (150, 0.0, 0)  # no chunk told, nothing measured
 
     write_endpoints_file(str(workers_file), ["http://a", "http://b", "http://0"])  # a new worker sorts first
     pool._sync_endpoints()
@@ -54,3 +55,16 @@ def test_loads_follow_polls_and_assignments_and_survive_workers_coming(tmp_path)
     loads = pool.loads_of(pool.candidates(("prefill",)))
     # a's assignments since its poll are dropped when the table is rebuilt: its next poll counts them again
     assert loads.queue == [5, 3, 0, 8] and loads.page_use == [1.0, 0.25, 0.0, 0.5]
+
+
+def test_a_decode_rank_reports_its_step_and_tells_its_chunk(tmp_path):
+    pool = pool_of(tmp_path / "workers", ["http://d"])
+    chunked = WorkerInfo(1, "decode", "tiny", 4096, [RankInfo(0, 16, 64, "d-0", prefill_chunk_tokens=512)])
+    admit(pool, "http://d", "decode", 1, [RankLoad(0, 3, 0, 40, 40, 0, queued_prompt_tokens=64, decode_step_s=0.02)],
+          info=chunked)
+    assert pool.decode_backlog(("http://d", 0)) == (64, 0.02, 512)
+    pool.note_assignment(("http://d", 0), 100)  # a prompt it will prefill itself
+    assert pool.decode_backlog(("http://d", 0)) == (164, 0.02, 512)
+    admit(pool, "http://d", "decode", 1, [RankLoad(0, 4, 0, 40, 40, 0, decode_step_s=0.03)])  # polled again
+    assert pool.decode_backlog(("http://d", 0)) == (0, 0.03, 512)
+    assert pool.decode_backlog(("http://elsewhere", 0)) == (0, 0.0, 0)
