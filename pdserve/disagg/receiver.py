@@ -1,16 +1,19 @@
 """The decode side of the hand-off: reserve pages for a prompt, have a prefill worker fill them, decode on from its
 first token. One `Reception` per request, in one `ReceiverState` at a time:
 
-  RESERVED           pages reserved in the engine, an unguessable reservation token made
-  PREFILL_REQUESTED  the prefill worker was called with (this worker, rank, token)
-  CONFIRMED          the prefill worker asked for the reservation with the token and got its page ids and write
-                     deadline (once: a second query is refused)
+  RESERVING          an unguessable reservation token made; pages being reserved in the engine (`pages`)
+  PREFILL_REQUESTED  the prefill worker was called with (this worker, rank, token): at once when the engine has room
+                     for the prompt (its request travels and the prefill worker confirms while the pages are reserved),
+                     else once the pages are reserved
+  CONFIRMED          the prefill worker asked for the reservation with the token (once: a second query is refused)
+                     and, once the pages were reserved, got their ids and the write deadline
   FIRST_TOKEN        the prefill's first token came; the KV notification has not yet
   KV_ARRIVED         the notification carrying the token came: every reserved page holds the prompt's KV
   DECODING           in the engine's running batch from the first token: the hand-off is over
-  FAILED             given up while no write can land (never confirmed, or fully written): the pages are freed
-  QUARANTINED        given up after the confirm: a write may still land, so the pages stay out of use until the write
-                     deadline plus the transfer timeout and a clock margin have passed; then FAILED
+  FAILED             given up while no write can land (no page ids handed out, or fully written): the pages are
+                     freed (a reservation still under way is cancelled first)
+  QUARANTINED        given up after page ids were handed out: a write may still land, so the pages stay out of use
+                     until the write deadline plus the transfer timeout and a clock margin have passed; then FAILED
 
 A notification is accepted only in CONFIRMED or FIRST_TOKEN and only with the token of that reservation, so no decode
 starts on KV written for another request. Everything here runs on the rank's event loop; the engine is reached
@@ -37,7 +40,7 @@ CLOCK_MARGIN_S = 1.0  # allowed disagreement between host clocks for write deadl
 
 
 class ReceiverState(enum.Enum):
-    RESERVED = "reserved"
+    RESERVING = "reserving"
     PREFILL_REQUESTED = "prefill_requested"
     CONFIRMED = "confirmed"
     FIRST_TOKEN = "first_token"
@@ -60,6 +63,10 @@ class HandoffAborted(RuntimeError):
 
 class DecodePages(Protocol):
     """The engine, as the receiver needs it."""
+
+    def has_room(self, request: GenerateRequest) -> bool:
+        """Whether the engine's last published figures leave room for the prompt's pages now."""
+        ...
 
     async def reserve(self, request: GenerateRequest) -> list[int]: ...
 
@@ -89,11 +96,19 @@ class ReceiverConfig:
 class Reception:
     request_id: str
     token: str
-    page_ids: list[int]
-    write_deadline_unix_s: float
     kv_arrived: asyncio.Future
-    state: ReceiverState = ReceiverState.RESERVED
+    pages: asyncio.Future[list[int]] | None = None  # the engine's reservation, under way or done
+    write_deadline_unix_s: float = 0.0  # set when the prefill is requested
+    handed_out: bool = False  # the page ids went to the prefill worker: a write may land
+    state: ReceiverState = ReceiverState.RESERVING
     task: asyncio.Task | None = None  # the hand-off in progress
+
+
+def _raise_if_not_reserved(reception: Reception) -> None:
+    """What kept the pages from being reserved, over the prefill worker's refusal that followed from it."""
+    pages = reception.pages
+    if pages is not None and pages.done() and not pages.cancelled() and pages.exception() is not None:
+        raise pages.exception()  # type: ignore[misc]
 
 
 class Receiver:
@@ -120,9 +135,7 @@ class Receiver:
     async def receive(self, request: GenerateRequest) -> TokenEvent:
         """Run the hand-off of a decode-plan request; returns its first event (the prefill's first token, now in the
         running batch). Raises HandoffFailed, HandoffAborted, or what reserving pages raised."""
-        page_ids = await self._pages.reserve(request)
-        reception = Reception(request.request_id, secrets.token_urlsafe(32), page_ids,
-                              time.time() + self.cfg.prefill_timeout_s, asyncio.get_running_loop().create_future())
+        reception = Reception(request.request_id, secrets.token_urlsafe(32), asyncio.get_running_loop().create_future())
         self._receptions[reception.request_id] = reception
         self._by_token[reception.token] = reception
         reception.task = asyncio.ensure_future(self._hand_off(reception, request))
@@ -143,8 +156,9 @@ class Receiver:
         reception.task.cancel()
         return True
 
-    def confirm(self, query: ReservationQuery) -> Reservation | None:
-        """The reservation, to the prefill worker that presents its token while the prefill is requested; else None."""
+    async def confirm(self, query: ReservationQuery) -> Reservation | None:
+        """The reservation, to the prefill worker that presents its token while the prefill is requested, once its
+        pages are reserved; else None (also when the reservation failed or the hand-off ended meanwhile)."""
         reception = self._receptions.get(query.request_id)
         if (reception is None or not hmac.compare_digest(reception.token.encode(), query.reservation_token.encode())
                 or reception.state is not ReceiverState.PREFILL_REQUESTED):
@@ -152,8 +166,14 @@ class Receiver:
             log.warning("refused a reservation query for %r (%s)", query.request_id,
                         reception.state.value if reception else "no such reservation")
             return None
-        self._set(reception, ReceiverState.CONFIRMED)
-        return Reservation(self._backend.name, self._backend.metadata(), list(reception.page_ids), 0,
+        self._set(reception, ReceiverState.CONFIRMED)  # from here a second query is refused
+        assert reception.pages is not None
+        await asyncio.wait({reception.pages})  # no exception of the reservation's: the hand-off reports it
+        if (reception.state is not ReceiverState.CONFIRMED or reception.pages.cancelled()
+                or reception.pages.exception() is not None):
+            return None
+        reception.handed_out = True
+        return Reservation(self._backend.name, self._backend.metadata(), list(reception.pages.result()), 0,
                            reception.write_deadline_unix_s, self.cfg.transfer_timeout_s)
 
     def on_notification(self, writer: str, payload: bytes) -> None:
@@ -171,7 +191,11 @@ class Receiver:
         assert request.plan.prefill is not None
         link = self._prefill_link(request.plan.prefill)
         bound_s = self.cfg.prefill_timeout_s + self.cfg.transfer_timeout_s
+        room = self._pages.has_room(request)
+        reception.pages = asyncio.ensure_future(self._pages.reserve(request))
         try:
+            if not room:  # a queue for pages: the prefill is not started until they are there
+                await asyncio.shield(reception.pages)
             first = await asyncio.wait_for(self._prefill_and_kv(reception, request, link), bound_s)
             event = await self._pages.start_decoding(reception.request_id, first)
         except BaseException as error:
@@ -190,6 +214,7 @@ class Receiver:
         destination = KVDestination(self.cfg.worker_url, self.cfg.rank, reception.token)
         prefill_request = GenerateRequest(request.request_id, source.rank, request.prompt_token_ids, request.sampling,
                                           Plan("prefill", destination=destination))
+        reception.write_deadline_unix_s = time.time() + self.cfg.prefill_timeout_s
         self._set(reception, ReceiverState.PREFILL_REQUESTED)
         first: TokenEvent | None = None
         try:
@@ -198,7 +223,9 @@ class Receiver:
                 if event.finish_reason is not None:
                     break
         except WorkerUnavailable as error:
+            _raise_if_not_reserved(reception)
             raise HandoffFailed(f"prefill worker {source.url}: {error}") from error
+        _raise_if_not_reserved(reception)
         if first is None or first.finish_reason == "error" or not first.token_ids:
             raise HandoffFailed(f"prefill failed: {(first.error or first.finish_reason) if first else 'no answer'}")
         if reception.state is ReceiverState.PREFILL_REQUESTED:
@@ -213,7 +240,9 @@ class Receiver:
         state = reception.state
         if state in (ReceiverState.PREFILL_REQUESTED, *AWAITING_KV):
             self._spawn(link.abort(reception.request_id))  # it may still be computing: stop it
-        if state in AWAITING_KV:
+        if reception.pages is not None:
+            reception.pages.cancel()  # a reservation under way ends (the engine frees what it got, see free below)
+        if state in AWAITING_KV and reception.handed_out:
             self._set(reception, ReceiverState.QUARANTINED)
             hold_s = reception.write_deadline_unix_s + self.cfg.transfer_timeout_s + self.cfg.clock_margin_s - time.time()
             log.info("request %s: hand-off failed after the confirm (%r); pages held %.1f s", reception.request_id,

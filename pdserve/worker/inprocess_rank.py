@@ -48,7 +48,7 @@ class InProcessRank:
         return self._started().stats()
 
     async def confirm_reservation(self, query: ReservationQuery, timeout_s: float) -> Reservation | None:
-        return self._started().confirm_reservation(query)
+        return await asyncio.wait_for(self._started().confirm_reservation(query), timeout_s)
 
     async def kv_events_after(self, after: int, timeout_s: float) -> list[KVEventBatch]:
         return await asyncio.wait_for(self._started().kv_events_after(after), timeout_s)

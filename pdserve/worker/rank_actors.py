@@ -136,7 +136,7 @@ class RankActor:
 
     async def confirm_reservation(self, query_json: bytes) -> bytes:
         query = msgspec.json.decode(query_json, type=ReservationQuery)
-        return msgspec.json.encode(self._started().confirm_reservation(query))
+        return msgspec.json.encode(await self._started().confirm_reservation(query))
 
     async def kv_events_after(self, after: int) -> bytes:
         return msgspec.json.encode(await self._started().kv_events_after(after))

@@ -4,7 +4,7 @@ backend; and the three request plans.
 Queues a request passes through:
   both:    engine.waiting -> engine.running -> stream
   prefill: disagg Sender: COMPUTING (engine, pages kept) -> WRITING (transfer thread) -> DONE -> stream
-  decode:  disagg Receiver: RESERVED -> PREFILL_REQUESTED -> CONFIRMED -> FIRST_TOKEN -> KV_ARRIVED -> DECODING
+  decode:  disagg Receiver: RESERVING -> PREFILL_REQUESTED -> CONFIRMED -> FIRST_TOKEN -> KV_ARRIVED -> DECODING
            (engine.running from the prefill's first token) -> stream
 The engine is touched only by its step thread (`step_loop.py`); async callers hand it closures. Load, stats and
 health come from the snapshot that thread publishes, never waiting on it.
@@ -135,6 +135,10 @@ class _EnginePort:
         finally:
             if waiting:
                 self.waiting_for_room -= 1
+
+    def has_room(self, request: GenerateRequest) -> bool:
+        """Room now, with no reservation waiting for it: the prefill may be asked for while the pages are reserved."""
+        return not self.waiting_for_room and self._may_fit(request)
 
     def _may_fit(self, request: GenerateRequest) -> bool:
         """Whether the step thread's last figures leave room for the request (the engine decides): dozens of waiting
@@ -317,8 +321,8 @@ class RankRuntime:
             stream.put_nowait(TokenEvent(request_id, [], finish_reason="abort"))
         return found
 
-    def confirm_reservation(self, query: ReservationQuery) -> Reservation | None:
-        return self.receiver.confirm(query)
+    async def confirm_reservation(self, query: ReservationQuery) -> Reservation | None:
+        return await self.receiver.confirm(query)
 
     async def _admit(self, request: GenerateRequest, reservation: Reservation | None) -> TokenEvent | None:
         """Start the request per its plan; returns a first event to emit at once (errors, the decode's first token)."""

@@ -91,7 +91,7 @@ class Pair:
 
     async def _confirm_at(self, url: str, query: ReservationQuery):
         assert url == DECODE_URL
-        return self.decode.confirm_reservation(query)
+        return await self.decode.confirm_reservation(query)
 
     def run(self, work: Coroutine[Any, Any, T], timeout_s: float = CALL_TIMEOUT_S) -> T:
         return asyncio.run_coroutine_threadsafe(work, self.loop).result(timeout_s)

@@ -15,6 +15,7 @@ from probes import eventually
 from pdserve.disagg.guard import HandoffRefused
 from pdserve.disagg.receiver import ReceiverState
 from pdserve.disagg.sender import SenderState
+from pdserve.engine.engine import NoCapacityError
 from pdserve.wire.protocol import GenerateRequest, KVDestination, Plan, ReservationQuery
 from pdserve.wire.sampling import SamplingParams
 
@@ -64,6 +65,27 @@ async def deliver(runtime, payload: bytes) -> None:
     runtime.receiver.on_notification("someone", payload)
 
 
+class GatedReservations:
+    """The decode rank's page reservations wait until `open()`, then reserve, or raise `error` (a stand-in for a
+    step thread that is slow to take the reservation up, or a pool that stays full)."""
+
+    def __init__(self, pair: Pair, monkeypatch, error: Exception | None = None):
+        self._pair, self._gate = pair, asyncio.Event()
+        port = pair.decode.receiver._pages
+        reserve = port.reserve
+
+        async def gated(request):
+            await self._gate.wait()
+            if error is not None:
+                raise error
+            return await reserve(request)
+
+        monkeypatch.setattr(port, "reserve", gated)
+
+    def open(self) -> None:
+        self._pair.loop.call_soon_threadsafe(self._gate.set)
+
+
 def test_handed_off_tokens_equal_colocated_ones_and_every_page_comes_back(fresh):
     colocated = fresh.generate(fresh.decode, GenerateRequest(new_id("both"), 0, PROMPT, GREEDY, Plan("both")))
     events = fresh.disaggregated(new_id("pd"), PROMPT, GREEDY)
@@ -90,6 +112,42 @@ def test_each_write_is_counted_with_its_bytes_and_time(fresh):
     assert len(counters.kv_transfer_seconds) == before_writes + 1 and counters.kv_transfer_seconds[-1] > 0
 
 
+def test_the_prefill_is_asked_for_while_the_pages_are_reserved_and_gets_them_once_they_are(fresh, monkeypatch):
+    colocated = fresh.generate(fresh.decode, GenerateRequest(new_id("both"), 0, PROMPT, GREEDY, Plan("both")))
+    gate = GatedReservations(fresh, monkeypatch)
+    rid = new_id("overlap")
+    running = fresh.start_disaggregated(rid, PROMPT, GREEDY)
+    wait_for_state(fresh.decode.receiver, rid, ReceiverState.CONFIRMED)  # the prefill worker asked; its answer waits
+    time.sleep(0.05)
+    assert not reception(fresh, rid).pages.done()
+    assert fresh.prefill.sender.state_of(rid) is None  # the prefill worker admits nothing before the answer
+    gate.open()
+    assert tokens(running.result(10)) == tokens(colocated)
+
+
+def test_a_reservation_that_fails_while_the_prefill_is_asked_for_ends_with_its_error(fresh, monkeypatch):
+    gate = GatedReservations(fresh, monkeypatch, NoCapacityError("no room for the prompt's KV pages (test)"))
+    prefill_steps = fresh.prefill.steps.snapshot.steps_completed
+    rid = new_id("no-room")
+    running = fresh.start_disaggregated(rid, PROMPT, GREEDY)
+    wait_for_state(fresh.decode.receiver, rid, ReceiverState.CONFIRMED)
+    gate.open()
+    events = running.result(10)
+    assert events[-1].finish_reason == "error" and "no room for the prompt's KV pages" in events[-1].error
+    assert fresh.prefill.steps.snapshot.steps_completed == prefill_steps  # the prefill never computed
+
+
+def test_an_abort_while_the_pages_are_reserved_ends_the_reservation(fresh, monkeypatch):
+    GatedReservations(fresh, monkeypatch)  # never opened: only the abort ends it
+    rid = new_id("abort-reserving")
+    running = fresh.start_disaggregated(rid, PROMPT, GREEDY)
+    wait_for_state(fresh.decode.receiver, rid, ReceiverState.CONFIRMED)
+    pages = reception(fresh, rid).pages
+    assert fresh.run(fresh.decode.abort(rid))
+    assert running.result(10)[-1].finish_reason == "abort"
+    assert pages.cancelled() and fresh.decode.receiver.state_of(rid) is None  # no page ids went out: no quarantine
+
+
 def test_a_reservation_is_confirmed_once_and_only_with_its_token(fresh):
     fresh.prefill_worker.mode = "hang"  # the reservation waits in PREFILL_REQUESTED
     rid = new_id("confirm")
@@ -97,12 +155,12 @@ def test_a_reservation_is_confirmed_once_and_only_with_its_token(fresh):
     wait_for_state(fresh.decode.receiver, rid, ReceiverState.PREFILL_REQUESTED)
     token = reception(fresh, rid).token
     refused_before = fresh.decode.counters.reservations_refused
-    assert fresh.decode.confirm_reservation(ReservationQuery(0, rid, "forged")) is None
-    assert fresh.decode.confirm_reservation(ReservationQuery(0, "someone-else", token)) is None
-    reservation = fresh.decode.confirm_reservation(ReservationQuery(0, rid, token))
+    assert fresh.run(fresh.decode.confirm_reservation(ReservationQuery(0, rid, "forged"))) is None
+    assert fresh.run(fresh.decode.confirm_reservation(ReservationQuery(0, "someone-else", token))) is None
+    reservation = fresh.run(fresh.decode.confirm_reservation(ReservationQuery(0, rid, token)))
     assert reservation is not None and len(reservation.page_ids) == 3
     assert time.time() < reservation.write_deadline_unix_s <= time.time() + 1.5
-    assert fresh.decode.confirm_reservation(ReservationQuery(0, rid, token)) is None  # once only
+    assert fresh.run(fresh.decode.confirm_reservation(ReservationQuery(0, rid, token))) is None  # once only
     assert fresh.decode.counters.reservations_refused - refused_before == 3
     assert fresh.run(fresh.decode.abort(rid))
     assert running.result(10)[-1].finish_reason == "abort"
@@ -229,7 +287,8 @@ def test_a_prefill_that_finishes_after_the_write_deadline_never_writes(fresh):
     written, failures = counters.kv_transfer_bytes, counters.kv_transfer_failures
     running = fresh.start_disaggregated(rid, PROMPT, GREEDY)
     wait_for_state(fresh.decode.receiver, rid, ReceiverState.CONFIRMED)
-    pages = list(reception(fresh, rid).page_ids)
+    assert eventually(lambda: reception(fresh, rid).pages.done(), timeout_s=5.0)
+    pages = list(reception(fresh, rid).pages.result())
     reserved_before = fresh.decode.engine.runner.kv_cache[:, pages].clone()
     assert running.result(15)[-1].finish_reason == "error"
     assert eventually(lambda: counters.kv_transfer_failures == failures + 1, timeout_s=10)
@@ -268,9 +327,11 @@ def test_a_reservation_waits_for_room_in_a_full_pool_instead_of_failing(fresh):
     fresh.decode.steps.test_step_delay_s = 0.01  # the hog holds its 53 of 64 pages for a while
     hogging = asyncio.run_coroutine_threadsafe(collect(fresh.decode, hog), fresh.loop)
     assert eventually(lambda: fresh.decode.load().free_pages < 20, timeout_s=10.0)
-    waiting = fresh.start_disaggregated(new_id("pd"), [2 + i % 400 for i in range(20 * page_size)], GREEDY)
+    rid = new_id("pd")
+    waiting = fresh.start_disaggregated(rid, [2 + i % 400 for i in range(20 * page_size)], GREEDY)
     assert eventually(lambda: fresh.decode.load().waiting == 1 or waiting.done(), timeout_s=10.0, interval_s=0.002)
     assert not waiting.done(), "the reservation should have waited for the hog's pages"  # and was counted as queued
+    assert fresh.decode.receiver.state_of(rid) is ReceiverState.RESERVING  # no prefill asked for while it waits
     events = waiting.result(30)
     assert events[-1].finish_reason == "length", events[-1].error
     assert len(tokens(events)) == GREEDY.max_tokens
