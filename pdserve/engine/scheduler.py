@@ -23,6 +23,12 @@ class SchedulerConfig:
     # plus the chunk's, and every running request waits it out as one inter-token gap.
     mixed_prefill_tokens: int | None = None
 
+    @property
+    def prefill_tokens_beside_decodes(self) -> int:
+        """The most prompt tokens a step computes beside running decodes."""
+        cap = self.mixed_prefill_tokens
+        return self.max_num_batched_tokens if cap is None else min(cap, self.max_num_batched_tokens)
+
 
 @dataclass
 class ScheduledSeq:
@@ -116,8 +122,7 @@ class Scheduler:
         return scheduled
 
     def _prefill_room(self, budget: int, beside_decodes: bool) -> int:
-        cap = self.cfg.mixed_prefill_tokens
-        return min(budget, cap) if beside_decodes and cap is not None else budget
+        return min(budget, self.cfg.prefill_tokens_beside_decodes) if beside_decodes else budget
 
     def advance(self, scheduled: list[ScheduledSeq]) -> None:
         """Record the KV computed by a step; cache a prompt's pages as soon as its prefill completes."""

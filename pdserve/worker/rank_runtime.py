@@ -265,10 +265,8 @@ class RankRuntime:
         await self._http.close()
 
     def info(self) -> RankInfo:
-        engine = self.cfg.engine
-        return RankInfo(self.cfg.rank, engine.page_size, self.engine.allocator.num_pages, self.backend.name,
-                        self.warmup_s,
-                        min(engine.mixed_prefill_tokens or engine.max_num_batched_tokens, engine.max_num_batched_tokens))
+        return RankInfo(self.cfg.rank, self.cfg.engine.page_size, self.engine.allocator.num_pages, self.backend.name,
+                        self.warmup_s, self.engine.scheduler.cfg.prefill_tokens_beside_decodes)
 
     def load(self) -> RankLoad:
         snapshot = self.steps.snapshot
