@@ -18,6 +18,11 @@ class EngineConfig:
     kv_cache_memory_gib: float = setting(1.0, "KV pool per rank on the CPU, in GiB")
     gpu_memory_fraction: float = setting(0.9, "share of GPU memory for weights, activations and the KV pool")
     max_num_seqs: int = setting(256, "requests a rank runs at once")
+    decode_reserve_tokens: int = setting(
+        512, "a decode rank reserves pages for a new prompt only while the pool keeps room for up to this many more "
+             "tokens of every sequence it already holds (fewer where a sequence's max_tokens ends sooner): otherwise "
+             "its running requests outgrow the pool and are preempted, and their recompute stalls every decode. 0: "
+             "reserve while the prompt's pages are free")
     max_num_batched_tokens: int = setting(2048, "per-step token budget shared by decodes and prefill chunks")
     mixed_prefill_tokens: int | None = setting(
         None, "prefill tokens a step may carry beside running decodes (default: all of --max-num-batched-tokens). "
@@ -79,6 +84,7 @@ class EngineConfig:
             (self.num_pages is None or self.num_pages >= 2, "num_pages must be >= 2"),
             (0.0 < self.gpu_memory_fraction <= 1.0, "gpu_memory_fraction must be in (0, 1]"),
             (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+            (self.decode_reserve_tokens >= 0, "decode_reserve_tokens must be >= 0"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),
             (self.mixed_prefill_tokens is None or self.mixed_prefill_tokens >= 1, "mixed_prefill_tokens must be >= 1"),
             (self.attention_backend in ("auto", "torch", "flashinfer"), "attention_backend: auto, torch or flashinfer"),

@@ -95,6 +95,7 @@ class EngineStats:
     generation_tokens: int
     # Prompt tokens still to compute: waiting requests' (before any prefix-cache match) and running prefills' rest.
     queued_prompt_tokens: int = 0
+    growth_pages: int = 0  # pages the held sequences' next tokens take, which a new reservation leaves free
     expert_weight_bytes: int = 0
     expert_exchange_overflows: int = 0  # fixed-capacity decode steps run again with split sizes
     # (token, expert) pairs this rank's tokens sent to each routed expert (global ids), summed over layers
@@ -275,8 +276,12 @@ class Engine:
         captured graph, whose steps would otherwise run eagerly at several times the time)."""
         if len(self.requests) >= self.cfg.max_num_seqs:
             raise NoCapacityError(f"all {self.cfg.max_num_seqs} sequence slots are taken")
-        request = self._new_request(request_id, prompt_token_ids, sampling)
         num_pages = pages_for(len(prompt_token_ids), self.cfg.page_size)
+        growth = self.growth_pages()
+        if self.allocator.num_free + self.prefix_cache.num_cached_pages - num_pages < growth:
+            raise NoCapacityError(f"no room for {num_pages} pages beside the {growth} the held sequences' next "
+                                  f"tokens take ({self.allocator.num_free} free)")
+        request = self._new_request(request_id, prompt_token_ids, sampling)
         pages = self.prefix_cache.alloc_or_evict(num_pages)
         if pages is None:
             self._forget(request)
@@ -290,6 +295,19 @@ class Engine:
             settled = torch.cuda.Event()
             settled.record(torch.cuda.current_stream(self.device))
         return ReservedPages(pages, settled)
+
+    def growth_pages(self) -> int:
+        """Pages the held sequences (running, reserved, preempted) still need for up to `decode_reserve_tokens` more
+        tokens each, fewer where max_tokens or the context ends sooner."""
+        reserve, page_size = self.cfg.decode_reserve_tokens, self.cfg.page_size
+        if not reserve:
+            return 0
+        pages = 0
+        for request in self.requests.values():
+            length = len(request.prompt_token_ids) + len(request.output_token_ids)
+            more = min(reserve, request.sampling.max_tokens - len(request.output_token_ids))
+            pages += max(0, pages_for(min(length + more, self.max_model_len), page_size) - len(request.page_ids))
+        return pages
 
     def start_decoding(self, request_id: str, first: RequestOutput) -> RequestOutput:
         """The reserved pages now hold the prompt's KV: decode on from the prefill rank's first token (`first`:
@@ -324,6 +342,7 @@ class Engine:
             prefix_hits_tokens=self._prefix_hits_tokens,
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
+            growth_pages=self.growth_pages(),
             queued_prompt_tokens=(sum(r.num_pending_tokens for r in self.scheduler.waiting)
                                   + sum(r.num_pending_tokens for r in self.scheduler.running if r.is_prefilling)),
             expert_weight_bytes=self.expert_weight_bytes,

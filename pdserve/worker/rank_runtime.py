@@ -145,7 +145,8 @@ class _EnginePort:
         reservations retrying through the step thread would slow every step of a full decode rank."""
         stats = self._runtime.steps.snapshot.engine
         pages = pages_for(len(request.prompt_token_ids), self._engine.cfg.page_size)
-        return stats.held < self._engine.cfg.max_num_seqs and stats.free_pages + stats.prefix_cache_pages >= pages
+        return (stats.held < self._engine.cfg.max_num_seqs
+                and stats.free_pages + stats.prefix_cache_pages - stats.growth_pages >= pages)
 
     async def free(self, request_id: str) -> None:
         await self._runtime.steps.call(lambda: self._engine.abort(request_id))

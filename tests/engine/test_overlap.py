@@ -287,6 +287,33 @@ def test_a_decode_rank_reserves_for_at_most_max_num_seqs_sequences(tiny_v2):
     assert decode.reserve("c", prompt, sampling).page_ids
 
 
+@pytest.mark.parametrize("reserve_tokens", [32, 0])
+def test_a_decode_rank_keeps_pages_for_its_sequences_next_tokens_before_it_reserves_more(tiny_v2, reserve_tokens):
+    """A new prompt's pages are reserved only while the held sequences' next tokens (up to decode_reserve_tokens
+    each) still fit, so the running sequence is never preempted to make room; 0 reserves whatever is free."""
+    decode = engine_for(tiny_v2, True, page_size=16, num_pages=8, decode_reserve_tokens=reserve_tokens)
+    sampling = replace(GREEDY, max_tokens=40)
+    decode.reserve("a", prompts_of((20,))[0], sampling)  # 2 pages; 52 tokens after 32 more: 4
+    decode.start_decoding("a", RequestOutput("a", [5], None))
+    running = decode.requests["a"]
+    assert decode.stats().growth_pages == (2 if reserve_tokens else 0)
+    five_pages, four_pages = prompts_of((65, 64), seed=6)
+    if not reserve_tokens:
+        assert decode.reserve("b", five_pages, sampling).page_ids  # leaves "a" one page to grow into, of two
+        return
+    with pytest.raises(NoCapacityError, match="next tokens"):
+        decode.reserve("b", five_pages, sampling)
+    assert "b" not in decode.requests
+    decode.reserve("b", four_pages, sampling)
+    assert decode.stats().growth_pages == 2 + 2  # "b", once decoding, takes two more pages for 32 tokens
+    for _ in range(100):
+        if "a" not in decode.requests:
+            break
+        decode.step()
+    assert "a" not in decode.requests
+    assert running.num_preemptions == 0 and len(running.output_token_ids) == 40
+
+
 def test_prefill_only_requests_keep_exactly_the_prompt_pages_when_the_prompt_fills_them(tiny_v2):
     prompt = prompts_of((32,))[0]  # two full pages: a decode past the prompt would have taken a third
     engine = engine_for(tiny_v2, True, page_size=16)
