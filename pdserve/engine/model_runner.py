@@ -74,7 +74,7 @@ class ModelRunner:
         for seq in scheduled:
             request, start = seq.request, seq.request.num_computed_tokens
             end = start + seq.num_new_tokens
-            known = request.all_token_ids[start:end]
+            known = request.known_token_ids(start, end)
             input_ids.extend(known)
             if len(known) < seq.num_new_tokens:  # the token `previous` sampled last (at most one), still unresolved
                 carried_positions.append(len(input_ids))

@@ -6,6 +6,7 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.engine import InvalidRequestError
+from pdserve.engine.request import Request
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -170,3 +171,13 @@ def test_request_larger_than_the_pool_is_rejected(tiny_v2):
     llm = LLM(tiny_v2, progress=False, num_pages=4, page_size=16)
     with pytest.raises(InvalidRequestError, match="KV pool"):
         llm.generate(prompt_token_ids=prompts_of((60,)), sampling=GREEDY)
+
+
+def test_a_requests_known_tokens_in_any_range_are_the_slice_of_all_its_tokens():
+    """The runner's per-step read (known_token_ids) against the joined list it replaced, over every range that
+    starts and ends in the prompt, across it, in the output, and past the known tokens."""
+    request = Request("r", [10, 11, 12, 13], SamplingParams(max_tokens=8), torch.Generator(),
+                      output_token_ids=[20, 21, 22])
+    for start in range(9):
+        for end in range(start, 10):
+            assert request.known_token_ids(start, end) == request.all_token_ids[start:end], (start, end)
