@@ -27,7 +27,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from pdserve.disagg.counters import HandoffCounters
@@ -71,6 +71,11 @@ class DecodePages(Protocol):
     async def reserve(self, request: GenerateRequest) -> list[int]: ...
 
     async def free(self, request_id: str) -> None: ...
+
+    def announces(self, request: GenerateRequest, first: TokenEvent) -> bool:
+        """Whether the engine's event for the prefill's first token is known without it: the token ends nothing
+        and no stop string or grammar, which only the engine sees, is asked for."""
+        ...
 
     async def start_decoding(self, request_id: str, first: TokenEvent) -> TokenEvent: ...
 
@@ -132,13 +137,16 @@ class Receiver:
         reception = self._receptions.get(request_id)
         return reception.state if reception else None
 
-    async def receive(self, request: GenerateRequest) -> TokenEvent:
+    async def receive(self, request: GenerateRequest,
+                      announce: Callable[[TokenEvent], None] | None = None) -> TokenEvent:
         """Run the hand-off of a decode-plan request; returns its first event (the prefill's first token, now in the
-        running batch). Raises HandoffFailed, HandoffAborted, or what reserving pages raised."""
+        running batch). Raises HandoffFailed, HandoffAborted, or what reserving pages raised. `announce`: given the
+        first token's event once the KV is in and before the request joins the batch, where the engine's event is
+        known without it (`DecodePages.announces`), so the client need not wait for a turn of the step loop."""
         reception = Reception(request.request_id, secrets.token_urlsafe(32), asyncio.get_running_loop().create_future())
         self._receptions[reception.request_id] = reception
         self._by_token[reception.token] = reception
-        reception.task = asyncio.ensure_future(self._hand_off(reception, request))
+        reception.task = asyncio.ensure_future(self._hand_off(reception, request, announce))
         try:
             await asyncio.wait({reception.task})
         except asyncio.CancelledError:  # our caller went away
@@ -187,7 +195,8 @@ class Receiver:
         reception.kv_arrived.set_result(None)
 
     # --- one hand-off ------------------------------------------------------------------------------------------
-    async def _hand_off(self, reception: Reception, request: GenerateRequest) -> TokenEvent:
+    async def _hand_off(self, reception: Reception, request: GenerateRequest,
+                        announce: Callable[[TokenEvent], None] | None) -> TokenEvent:
         assert request.plan.prefill is not None
         link = self._prefill_link(request.plan.prefill)
         bound_s = self.cfg.prefill_timeout_s + self.cfg.transfer_timeout_s
@@ -197,6 +206,8 @@ class Receiver:
             if not room:  # a queue for pages: the prefill is not started until they are there
                 await asyncio.shield(reception.pages)
             first = await asyncio.wait_for(self._prefill_and_kv(reception, request, link), bound_s)
+            if announce is not None and self._pages.announces(request, first):
+                announce(replace(first, finish_reason=None))  # the prefill rank's own end (its one token) is not ours
             event = await self._pages.start_decoding(reception.request_id, first)
         except BaseException as error:
             self._give_up(reception, link, error)

@@ -153,6 +153,14 @@ class _EnginePort:
 
     abort = free
 
+    def announces(self, request: GenerateRequest, first: TokenEvent) -> bool:
+        # The ends Engine._append_token finds for a first output token, read from fields that never change.
+        sampling, token = request.sampling, first.token_ids[0]
+        return (not sampling.stop and sampling.grammar is None and sampling.max_tokens > 1
+                and token not in sampling.stop_token_ids
+                and (sampling.ignore_eos or token not in self._engine.model_config.eos_token_ids)
+                and len(request.prompt_token_ids) + 1 < self._engine.max_model_len)
+
     async def start_decoding(self, request_id: str, first: TokenEvent) -> TokenEvent:
         sampled = RequestOutput(request_id, first.token_ids[:1], first.logprobs[:1] if first.logprobs else None,
                                 first.top_token_ids, first.top_logprobs)
@@ -212,6 +220,7 @@ class RankRuntime:
             self.backend, port,
             prefill_link or (lambda source: WorkerClient(source.url, self._http())), self.counters)
         self._streams: dict[str, asyncio.Queue[TokenEvent]] = {}
+        self._joining: dict[str, asyncio.Task] = {}  # hand-offs whose first token went out before the request joined
         self.steps = StepLoop(self.engine, cfg.rank, self.lockstep, self._route_outputs, self._fail_everything)
         self._warm_up_task: asyncio.Future | None = None
         self.warmup_s = 0.0
@@ -306,6 +315,9 @@ class RankRuntime:
 
     async def _end(self, request_id: str) -> None:
         """The caller went away (or the request finished): free what a hand-off does not own."""
+        joining = self._joining.pop(request_id, None)
+        if joining is not None:
+            joining.cancel()  # the hand-off gives its pages back (the join, if under way, is undone after it)
         if self.sender.holds(request_id):
             await self.sender.abort(request_id)
         elif request_id in self.engine.requests and not self.receiver.holds(request_id):
@@ -337,11 +349,41 @@ class RankRuntime:
                 return None
             if plan.prefill is None:
                 return self._error(request_id, "a decode plan needs a prefill source")
-            return await self.receiver.receive(request)
+            return await self._receive(request)
         except HandoffAborted:
             return TokenEvent(request_id, [], finish_reason="abort")
         except (ValueError, NoCapacityError, TransferError, HandoffFailed) as error:  # ValueError: InvalidRequestError
             return self._error(request_id, str(error))
+
+    async def _receive(self, request: GenerateRequest) -> TokenEvent:
+        """A decode plan's hand-off. Its first token goes out as soon as the receiver announces it, while the request
+        joins the batch (a turn of the step loop); what the join then ends in, other than the tokens that follow,
+        comes after it in the stream (`_joined`)."""
+        announced: asyncio.Future[TokenEvent] = asyncio.get_running_loop().create_future()
+        hand_off = asyncio.ensure_future(self.receiver.receive(request, announce=announced.set_result))
+        try:
+            await asyncio.wait({hand_off, announced}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            hand_off.cancel()
+            raise
+        if not announced.done():
+            return await hand_off
+        self._joining[request.request_id] = hand_off
+        hand_off.add_done_callback(lambda done: self._joined(request.request_id, done))
+        return announced.result()
+
+    def _joined(self, request_id: str, hand_off: asyncio.Task) -> None:
+        self._joining.pop(request_id, None)
+        stream = self._streams.get(request_id)
+        if hand_off.cancelled() or stream is None:
+            return  # the caller went away (`_end`)
+        error = hand_off.exception()
+        if isinstance(error, HandoffAborted):
+            stream.put_nowait(TokenEvent(request_id, [], finish_reason="abort"))
+        elif error is not None:
+            stream.put_nowait(self._error(request_id, f"joining the decode batch failed: {error}"))
+        elif (end := hand_off.result().finish_reason) is not None:  # announced only where none was expected
+            stream.put_nowait(TokenEvent(request_id, [], finish_reason=end))
 
     async def kv_events_after(self, after: int) -> list[KVEventBatch]:
         """Batches after `after`, waiting up to KV_EVENT_WAIT_S for one when there is none yet (a subscriber's long

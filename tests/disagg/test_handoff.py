@@ -6,6 +6,7 @@ nor any decode started, for a reservation a caller forged."""
 import asyncio
 import itertools
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -86,6 +87,25 @@ class GatedReservations:
         self._pair.loop.call_soon_threadsafe(self._gate.set)
 
 
+class GatedJoin:
+    """The decode rank's join of a handed-off request into its batch waits until `open()` (a step loop slow to come
+    around)."""
+
+    def __init__(self, pair: Pair, monkeypatch):
+        self._pair, self.gate = pair, asyncio.Event()
+        port = pair.decode.receiver._pages
+        start_decoding = port.start_decoding
+
+        async def gated(request_id, first):
+            await self.gate.wait()
+            return await start_decoding(request_id, first)
+
+        monkeypatch.setattr(port, "start_decoding", gated)
+
+    def open(self) -> None:
+        self._pair.loop.call_soon_threadsafe(self.gate.set)
+
+
 def test_handed_off_tokens_equal_colocated_ones_and_every_page_comes_back(fresh):
     colocated = fresh.generate(fresh.decode, GenerateRequest(new_id("both"), 0, PROMPT, GREEDY, Plan("both")))
     events = fresh.disaggregated(new_id("pd"), PROMPT, GREEDY)
@@ -146,6 +166,72 @@ def test_an_abort_while_the_pages_are_reserved_ends_the_reservation(fresh, monke
     assert fresh.run(fresh.decode.abort(rid))
     assert running.result(10)[-1].finish_reason == "abort"
     assert pages.cancelled() and fresh.decode.receiver.state_of(rid) is None  # no page ids went out: no quarantine
+
+
+def test_the_first_token_goes_out_before_the_request_joins_the_decode_batch(fresh, monkeypatch):
+    colocated = fresh.generate(fresh.decode, GenerateRequest(new_id("both"), 0, PROMPT, GREEDY, Plan("both")))
+    join = GatedJoin(fresh, monkeypatch)
+    rid = new_id("announced")
+
+    async def first_then_the_rest():
+        stream = fresh.decode.generate(decode_plan(rid, PROMPT, GREEDY))
+        first = await asyncio.wait_for(anext(stream), 10)
+        state = fresh.decode.receiver.state_of(rid)
+        join.gate.set()
+        return first, state, [event async for event in stream]
+
+    first, state, rest = fresh.run(first_then_the_rest())
+    assert state is ReceiverState.KV_ARRIVED  # the join still waited at the gate
+    assert first.finish_reason is None and first.prompt_tokens == len(PROMPT)
+    assert tokens([first, *rest]) == tokens(colocated) and rest[-1].finish_reason == "length"
+
+
+def test_a_first_token_that_ends_the_request_waits_for_the_decode_engine(fresh, monkeypatch):
+    """Its end (here max_tokens 1, or one of the stop token ids) is the engine's to say: no announcement."""
+    colocated = fresh.generate(fresh.decode, GenerateRequest(new_id("both"), 0, PROMPT, GREEDY, Plan("both")))
+    first_token = colocated[0].token_ids[0]
+    join = GatedJoin(fresh, monkeypatch)
+    ends = {"length": replace(GREEDY, max_tokens=1), "stop": replace(GREEDY, stop_token_ids=[first_token])}
+    running = {end: fresh.start_disaggregated(new_id(end), PROMPT, sampling) for end, sampling in ends.items()}
+    time.sleep(0.3)
+    assert not any(events.done() for events in running.values())
+    join.open()
+    for end, events in running.items():
+        got = events.result(10)
+        assert tokens(got) == [first_token] and got[-1].finish_reason == end
+
+
+def test_an_abort_after_the_first_token_while_it_joins_ends_with_abort(fresh, monkeypatch):
+    GatedJoin(fresh, monkeypatch)  # never opened: the abort ends the join
+    rid = new_id("abort-joining")
+
+    async def abort_after_the_first():
+        stream = fresh.decode.generate(decode_plan(rid, PROMPT, LONG))
+        first = await asyncio.wait_for(anext(stream), 10)
+        aborted = await fresh.decode.abort(rid)
+        return first, aborted, await asyncio.wait_for(collect_rest(stream), 10)
+
+    first, aborted, rest = fresh.run(abort_after_the_first())
+    assert first.token_ids and aborted and [e.finish_reason for e in rest] == ["abort"]
+
+
+def test_a_caller_gone_after_the_first_token_leaves_no_request_behind(fresh, monkeypatch):
+    join = GatedJoin(fresh, monkeypatch)
+    rid = new_id("gone-joining")
+
+    async def leave_after_the_first():
+        stream = fresh.decode.generate(decode_plan(rid, PROMPT, LONG))
+        first = await asyncio.wait_for(anext(stream), 10)
+        await stream.aclose()
+        join.gate.set()  # a join already under way would run now: it is undone
+        return first
+
+    assert fresh.run(leave_after_the_first()).token_ids
+    assert eventually(lambda: at_rest(fresh.decode), timeout_s=5.0), list(fresh.decode.engine.requests)
+
+
+async def collect_rest(stream) -> list:
+    return [event async for event in stream]
 
 
 def test_a_reservation_is_confirmed_once_and_only_with_its_token(fresh):
