@@ -45,6 +45,7 @@ pdserve.io/pool: {{ .name }}
 - --ranks={{ .pool.ranks }}
 - --page-size=$(PDSERVE_PAGE_SIZE)
 - --gpu-memory-fraction=$(PDSERVE_GPU_MEMORY_FRACTION)
+- --decode-reserve-tokens=$(PDSERVE_DECODE_RESERVE_TOKENS)
 - --drain-timeout-s={{ .root.Values.worker.terminationGracePeriodSeconds }}
 {{- if .pool.expertParallel }}
 - --expert-parallel

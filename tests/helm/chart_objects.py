@@ -32,7 +32,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
     "pvc-subpath": {
         "model": {"source": "existingClaim", "existingClaim": {"claimName": "models", "subPath": "deepseek-v3"}},
-        "engine": {"pageSize": 32, "gpuMemoryFraction": 0.8},
+        "engine": {"pageSize": 32, "gpuMemoryFraction": 0.8, "decodeReserveTokens": 256},
     },
     "deepseek-v3": V3_VALUES,
     "autoscaling-existing-secret": {

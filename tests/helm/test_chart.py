@@ -229,9 +229,11 @@ def test_engine_settings_reach_workers_through_the_config_map_and_roll_them() ->
     defaults, changed = render_objects(), render_objects(VALUE_SETS["pvc-subpath"])
     assert named(changed, "ConfigMap", "pdserve-engine")["data"]["PDSERVE_PAGE_SIZE"] == "32"
     assert named(changed, "ConfigMap", "pdserve-engine")["data"]["PDSERVE_GPU_MEMORY_FRACTION"] == "0.8"
+    assert named(changed, "ConfigMap", "pdserve-engine")["data"]["PDSERVE_DECODE_RESERVE_TOKENS"] == "256"
     for before, after in zip(_serving_templates(defaults), _serving_templates(changed), strict=True):
         container = _container(after)
         assert "--page-size=$(PDSERVE_PAGE_SIZE)" in container["args"]
+        assert "--decode-reserve-tokens=$(PDSERVE_DECODE_RESERVE_TOKENS)" in container["args"]
         assert container["envFrom"] == [{"configMapRef": {"name": "pdserve-engine"}}]
         key = "checksum/engine-config"
         assert before["metadata"]["annotations"][key] != after["metadata"]["annotations"][key]
