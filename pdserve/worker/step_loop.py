@@ -192,17 +192,21 @@ class StepLoop:
                 future.set_exception(InstanceBroken(message))
 
     def _run_commands(self, block: bool) -> None:
+        """The closures queued by now; those queued meanwhile wait for the next turn. Drained until empty, closures
+        queued faster than they run (hundreds of reservations retrying every 20 ms) held the loop with no step: the
+        likely cause of a decode rank's 51 s stall on two H100s (docs/benchmarks.md)."""
         try:
             fn, future = self._commands.get(timeout=self._idle_wait_s if block else 0)
         except queue.Empty:
             return
-        while True:
+        for taken in range(1 + self._commands.qsize()):
+            if taken:
+                try:
+                    fn, future = self._commands.get_nowait()
+                except queue.Empty:
+                    return
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn())
                 except BaseException as error:  # noqa: BLE001 - handed to the awaiting caller
                     future.set_exception(error)
-            try:
-                fn, future = self._commands.get_nowait()
-            except queue.Empty:
-                return

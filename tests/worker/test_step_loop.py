@@ -2,6 +2,7 @@
 loop stalled for as long as the step lasts and counts completed steps; closures run on the step thread."""
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 
@@ -42,3 +43,23 @@ def test_the_snapshot_answers_during_a_slow_step_and_counts_steps(loop_and_outpu
 def test_closures_run_on_the_step_thread(loop_and_outputs):
     steps, _ = loop_and_outputs
     assert asyncio.run(steps.call(lambda: threading.current_thread().name)) == "rank-0-step"
+
+
+def test_closures_queued_faster_than_they_run_leave_the_steps_going(loop_and_outputs):
+    """A closure that queues another as it runs (as reservations retrying faster than the loop serves them do) is
+    always waiting: the loop still steps between its turns' closures and finishes the running request."""
+    steps, outputs = loop_and_outputs
+    flooding = threading.Event()
+    flooding.set()
+
+    def again() -> None:
+        time.sleep(0.001)
+        if flooding.is_set():
+            steps._commands.put((again, concurrent.futures.Future()))
+
+    asyncio.run(steps.call(lambda: steps.engine.add_request("r", [3, 4, 5], SamplingParams(max_tokens=20))))
+    steps._commands.put((again, concurrent.futures.Future()))
+    try:
+        assert eventually(lambda: outputs and outputs[-1].finish_reason == "length", timeout_s=10)
+    finally:
+        flooding.clear()
