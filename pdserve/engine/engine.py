@@ -453,16 +453,8 @@ class Engine:
         if detokenizer is not None:
             text, stop_hit = detokenizer.push([token_id])
         grammar_complete = self.logits_processing.accept(request, token_id)
-        finish_reason = None
-        if stop_hit or grammar_complete:
-            finish_reason = "stop"
-        elif not sampling.ignore_eos and token_id in self.model_config.eos_token_ids:
-            finish_reason = "stop"
-        elif token_id in sampling.stop_token_ids:
-            finish_reason = "stop"
-        elif (len(request.output_token_ids) >= sampling.max_tokens
-              or len(request.prompt_token_ids) + len(request.output_token_ids) >= self.max_model_len):
-            finish_reason = "length"
+        finish_reason = "stop" if stop_hit or grammar_complete else self.token_ends(
+            sampling, token_id, len(request.prompt_token_ids), len(request.output_token_ids))
         if finish_reason is not None:
             # Overlapped: a token sampled past the end is discarded (its step's row is skipped when it resolves).
             request.num_unresolved_tokens, request.ends_when_resolved = 0, False
@@ -481,6 +473,18 @@ class Engine:
             prompt_tokens=len(request.prompt_token_ids),
             cached_tokens=request.num_cached_tokens,
         )
+
+    def token_ends(self, sampling: SamplingParams, token_id: int, prompt_tokens: int,
+                   output_tokens: int) -> str | None:
+        """How an output token ends its request by its id and the lengths alone (an EOS or stop token id, max_tokens,
+        the context), `output_tokens` counting it; None: it does not. Reads only settings fixed at start, so any
+        thread may ask; stop strings and grammars are the engine's own to judge."""
+        if token_id in sampling.stop_token_ids or (not sampling.ignore_eos
+                                                   and token_id in self.model_config.eos_token_ids):
+            return "stop"
+        if output_tokens >= sampling.max_tokens or prompt_tokens + output_tokens >= self.max_model_len:
+            return "length"
+        return None
 
     def _forget(self, request: Request) -> None:
         if not request.keep_pages_on_finish:

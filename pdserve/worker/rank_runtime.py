@@ -154,12 +154,9 @@ class _EnginePort:
     abort = free
 
     def announces(self, request: GenerateRequest, first: TokenEvent) -> bool:
-        # The ends Engine._append_token finds for a first output token, read from fields that never change.
-        sampling, token = request.sampling, first.token_ids[0]
-        return (not sampling.stop and sampling.grammar is None and sampling.max_tokens > 1
-                and token not in sampling.stop_token_ids
-                and (sampling.ignore_eos or token not in self._engine.model_config.eos_token_ids)
-                and len(request.prompt_token_ids) + 1 < self._engine.max_model_len)
+        sampling = request.sampling
+        return (not sampling.stop and sampling.grammar is None
+                and self._engine.token_ends(sampling, first.token_ids[0], len(request.prompt_token_ids), 1) is None)
 
     async def start_decoding(self, request_id: str, first: TokenEvent) -> TokenEvent:
         sampled = RequestOutput(request_id, first.token_ids[:1], first.logprobs[:1] if first.logprobs else None,
