@@ -211,6 +211,9 @@ class Engine:
         mc = self.model_config
         page_bytes = mc.num_hidden_layers * self.cfg.page_size * mc.kv_dim * torch.finfo(self.dtype).bits // 8
         if self.device.type == "cuda":
+            # Blocks the caching allocator kept from loading (finish_weights replaces each layer's experts with a
+            # larger stacked copy; V2-Lite left ~28 GB behind) are free for the pool: mem_get_info counts them as used.
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - (1 - self.cfg.gpu_memory_fraction) * total
         else:
