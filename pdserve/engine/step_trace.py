@@ -26,6 +26,8 @@ class StepRecord:
     gc_ms: float = 0.0  # of the turn, the time the process spent collecting garbage (any thread: the GIL is held)
     wait_ms: float = 0.0  # of engine_ms, the host's wait for the step before to finish on the device (overlapped
     # scheduling: near 0 when the host, not the device, sets the pace)
+    free_pages: int = -1  # after the step: KV pages free or held only by the prefix cache (-1: not recorded)
+    held_seqs: int = -1  # after the step: sequences holding pages (running, waiting, reserved, being handed off)
 
 
 def rank_trace_path(path: str, role: str, rank: int) -> str:
@@ -47,10 +49,11 @@ class StepTrace:
         self._opened_s = self._flushed_s = time.monotonic()
 
     def record(self, shape: StepShape, started_s: float, engine_ms: float, ended_s: float, gc_ms: float = 0.0,
-               wait_ms: float = 0.0) -> None:
+               wait_ms: float = 0.0, free_pages: int = -1, held_seqs: int = -1) -> None:
         """A step that started at `started_s` (monotonic) and whose turn ended at `ended_s`."""
         record = StepRecord(round(started_s - self._opened_s, 6), shape, round(engine_ms, 4),
-                            round((ended_s - started_s) * 1000, 4), round(gc_ms, 4), round(wait_ms, 4))
+                            round((ended_s - started_s) * 1000, 4), round(gc_ms, 4), round(wait_ms, 4), free_pages,
+                            held_seqs)
         self._lines.append(self._encoder.encode(record) + b"\n")
         if ended_s - self._flushed_s >= self._flush_interval_s:
             self.flush()

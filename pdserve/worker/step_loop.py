@@ -54,6 +54,8 @@ class _OpenTurn:
     engine_ms: float
     gc_s: float  # the garbage collector's clock when the turn started
     wait_ms: float  # of engine_ms, waiting for the device
+    free_pages: int  # after the step (a decode rank short of pages shows here)
+    held_seqs: int
 
 
 class StepLoop:
@@ -149,8 +151,10 @@ class StepLoop:
         self._speeds.turn_started(started_s, self.engine.last_step)
         if self.trace is not None and self.engine.last_step.ran_work:
             engine_ms = (time.monotonic() - engine_started_s) * 1000
-            self._open_turn = _OpenTurn(self.engine.last_step, started_s, engine_ms, gc_s,
-                                        self.engine.last_step_wait_s * 1000)
+            engine = self.engine
+            self._open_turn = _OpenTurn(engine.last_step, started_s, engine_ms, gc_s, engine.last_step_wait_s * 1000,
+                                        engine.allocator.num_free + engine.prefix_cache.num_cached_pages,
+                                        len(engine.requests))
         return outputs
 
     def _end_turn(self, now_s: float) -> None:
@@ -158,7 +162,8 @@ class StepLoop:
         turn, self._open_turn = self._open_turn, None
         if turn is not None and self.trace is not None:
             gc_ms = (self._gc.seconds - turn.gc_s) * 1000 if self._gc is not None else 0.0
-            self.trace.record(turn.shape, turn.started_s, turn.engine_ms, now_s, gc_ms, turn.wait_ms)
+            self.trace.record(turn.shape, turn.started_s, turn.engine_ms, now_s, gc_ms, turn.wait_ms, turn.free_pages,
+                              turn.held_seqs)
 
     def _went_idle(self) -> None:
         """The wait for work that follows is no step's cost; what the trace holds is written before it, and the

@@ -111,6 +111,8 @@ def test_each_busy_step_is_one_line_whose_turn_ends_where_the_next_step_starts(t
         assert earlier.t_s + earlier.turn_ms / 1000 == pytest.approx(later.t_s, abs=1e-5)
     assert all(0 < r.engine_ms <= r.turn_ms for r in records)
     assert all(0 <= r.wait_ms <= r.engine_ms for r in records)
+    # the pool after each step: 3 + 2 pages of 16 held by the two sequences, all 64 free once both have finished
+    assert [(r.free_pages, r.held_seqs) for r in records] == [(59, 2), (59, 2), (59, 2), (64, 0)]
 
 
 def test_an_idle_wait_is_no_part_of_the_last_steps_turn(traced):
