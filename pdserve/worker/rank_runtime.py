@@ -102,43 +102,61 @@ class _EnginePort:
     def __init__(self, runtime: "RankRuntime"):
         self._runtime = runtime
         self._engine = runtime.engine
-        self.waiting_for_room = 0  # reservations waiting for pages: queued work, as the load report counts it
+        # Reservations waiting for room, oldest first, each with the event that wakes it: only the oldest tries, so
+        # a long prompt is not passed forever by short ones that fit the pages freed meanwhile.
+        self._line: dict[str, asyncio.Event] = {}
+
+    @property
+    def waiting_for_room(self) -> int:
+        """Reservations waiting for pages: queued work, as the load report counts it."""
+        return len(self._line)
 
     async def reserve(self, request: GenerateRequest) -> list[int]:
         """Pages for the prompt. A full pool or a full batch is a queue, not a failure (pages and sequence slots free
-        as running requests end): tried again every RESERVE_RETRY_S for up to the prefill timeout, on the step thread
-        only when the rank's last published figures show room; NoCapacityError after that."""
+        as running requests end): reservations wait in arrival order, the oldest tried every RESERVE_RETRY_S (on the
+        step thread only when the rank's last published figures show room) and the next woken when it leaves, for up
+        to the prefill timeout; NoCapacityError after that."""
         deadline_s = time.monotonic() + self._runtime.cfg.prefill_timeout_s
-        waiting = False
+        request_id, woken = request.request_id, asyncio.Event()
         try:
             while True:
-                if self._may_fit(request):
+                if self._first_in_line(request_id) and self._may_fit(request):
                     try:
                         reserved = await self._runtime.steps.call(lambda: self._engine.reserve(
-                            request.request_id, request.prompt_token_ids, request.sampling))
+                            request_id, request.prompt_token_ids, request.sampling))
                     except NoCapacityError:
                         pass
                     else:
+                        self._leave_line(request_id)
                         try:
                             await _completed(reserved.settled, deadline_s)
                         except BaseException:  # cancelled or timed out: the pages go back, unseen
-                            await self.free(request.request_id)
+                            await self.free(request_id)
                             raise
                         return list(reserved.page_ids)
                 if time.monotonic() + RESERVE_RETRY_S >= deadline_s:
                     raise NoCapacityError(f"no room for the prompt's KV pages or a sequence slot within "
                                           f"{self._runtime.cfg.prefill_timeout_s:g} s")
-                if not waiting:
-                    waiting = True
-                    self.waiting_for_room += 1
-                await asyncio.sleep(RESERVE_RETRY_S)
+                self._line.setdefault(request_id, woken)
+                # The oldest looks for freed pages; the rest sleep until it leaves the line (or time is up).
+                wait_s = RESERVE_RETRY_S if self._first_in_line(request_id) else deadline_s - time.monotonic()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(woken.wait(), wait_s)
+                woken.clear()
         finally:
-            if waiting:
-                self.waiting_for_room -= 1
+            self._leave_line(request_id)
+
+    def _first_in_line(self, request_id: str) -> bool:
+        return next(iter(self._line), request_id) == request_id
+
+    def _leave_line(self, request_id: str) -> None:
+        """Out of the line; the next in it tries at once (it may fit what is left)."""
+        if self._line.pop(request_id, None) is not None and self._line:
+            next(iter(self._line.values())).set()
 
     def has_room(self, request: GenerateRequest) -> bool:
         """Room now, with no reservation waiting for it: the prefill may be asked for while the pages are reserved."""
-        return not self.waiting_for_room and self._may_fit(request)
+        return not self._line and self._may_fit(request)
 
     def _may_fit(self, request: GenerateRequest) -> bool:
         """Whether the step thread's last figures leave room for the request (the engine decides): dozens of waiting

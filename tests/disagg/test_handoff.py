@@ -422,3 +422,34 @@ def test_a_reservation_waits_for_room_in_a_full_pool_instead_of_failing(fresh):
     assert events[-1].finish_reason == "length", events[-1].error
     assert len(tokens(events)) == GREEDY.max_tokens
     assert hogging.result(30)[-1].finish_reason == "length"
+
+
+def test_reservations_waiting_for_room_get_it_in_arrival_order(fresh, monkeypatch):
+    """A long prompt waiting for pages is not passed by a short one that would fit the pages free now: reservations
+    wait in line, or a stream of short prompts could keep a long one out of a busy decode rank for good."""
+    page_size = fresh.decode.engine.cfg.page_size
+    reserved: list[str] = []
+    reserve = fresh.decode.engine.reserve
+
+    def noting(request_id, *args):
+        pages = reserve(request_id, *args)
+        reserved.append(request_id)
+        return pages
+
+    monkeypatch.setattr(fresh.decode.engine, "reserve", noting)
+    hog = GenerateRequest(new_id("hog"), 0, [2 + i % 400 for i in range(50 * page_size)],
+                          SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), Plan("both"))
+    fresh.decode.steps.test_step_delay_s = 0.01  # the hog holds its 53 of 64 pages for a while
+    hogging = asyncio.run_coroutine_threadsafe(collect(fresh.decode, hog), fresh.loop)
+    assert eventually(lambda: fresh.decode.load().free_pages < 20, timeout_s=10.0)
+    long_id, short_id = new_id("long"), new_id("short")
+    long_one = fresh.start_disaggregated(long_id, [2 + i % 400 for i in range(20 * page_size)], GREEDY)
+    assert eventually(lambda: fresh.decode.load().waiting == 1, timeout_s=10.0, interval_s=0.002)
+    short_one = fresh.start_disaggregated(short_id, PROMPT, GREEDY)  # 3 pages: free now, but behind the long one
+    assert eventually(lambda: fresh.decode.load().waiting == 2, timeout_s=10.0, interval_s=0.002)
+    assert fresh.decode.load().free_pages >= 3 and fresh.decode.receiver.state_of(short_id) is ReceiverState.RESERVING
+    for done in (long_one, short_one):
+        assert done.result(30)[-1].finish_reason == "length"
+    assert reserved == [long_id, short_id]
+    assert hogging.result(30)[-1].finish_reason == "length"
+    assert eventually(lambda: at_rest(fresh.decode), timeout_s=10.0)
