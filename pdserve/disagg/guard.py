@@ -1,6 +1,7 @@
-"""The worker edge's checks on a hand-off plan, before any rank sees it: a worker hands KV only to and from workers its
-discovery names (never a URL the request brings), and a prefill plan must name a reservation that the decode worker
-itself confirms, with a write deadline that is set and bounded. Everything the prefill rank then writes (page ids,
+"""The worker edge's checks on a hand-off plan: a worker hands KV only to and from workers its discovery names (never
+a URL the request brings), checked before any rank sees the plan; and a prefill plan must name a reservation that the
+decode worker itself confirms, with a write deadline that is set and bounded. The confirm runs while the prefill rank
+computes (`worker/prefill_start.py`), and the rank writes nothing before it: everything it then writes (page ids,
 deadline, the decode rank's transfer metadata) comes from that confirmation, none of it from the request."""
 
 import time
@@ -59,20 +60,27 @@ class HandoffGuard:
         if self.known_peer(source.url) is None:
             raise HandoffRefused(f"prefill worker {source.url!r} is not among this worker's peers")
 
-    async def confirm_prefill_plan(self, request: GenerateRequest) -> Reservation:
+    def check_prefill_plan(self, request: GenerateRequest) -> str:
+        """The plan's decode worker as discovery names it; checked before the rank sees the request."""
         destination = request.plan.destination
         if destination is None:
             raise HandoffRefused("a prefill plan needs a destination", 400)
         url = self.known_peer(destination.url)
         if url is None:
             raise HandoffRefused(f"decode worker {destination.url!r} is not among this worker's peers")
+        return url
+
+    async def confirm_reservation(self, request: GenerateRequest, decode_url: str) -> Reservation:
+        """The reservation a checked prefill plan names, as the decode worker at `decode_url` confirms it."""
+        destination = request.plan.destination
+        assert destination is not None
         query = ReservationQuery(destination.rank, request.request_id, destination.reservation_token)
         try:
-            reservation = await self._confirm_at(url, query)
+            reservation = await self._confirm_at(decode_url, query)
         except WorkerUnavailable as error:
-            raise HandoffRefused(f"decode worker {url} did not confirm the reservation: {error}", 502) from error
+            raise HandoffRefused(f"decode worker {decode_url} did not confirm the reservation: {error}", 502) from error
         if reservation is None:
-            raise HandoffRefused(f"decode worker {url} refused the reservation (unknown request, wrong token, "
+            raise HandoffRefused(f"decode worker {decode_url} refused the reservation (unknown request, wrong token, "
                                  "or already confirmed)")
         now = time.time()
         if not now < reservation.write_deadline_unix_s <= now + self._max_write_window_s:

@@ -1,15 +1,19 @@
 """The prefill side of the hand-off: compute a prompt, write its KV into the pages a decode rank reserved, then
 answer with the first token. One `Sending` per request, in one `SenderState` at a time:
 
-  COMPUTING  the engine prefills the prompt (prefill-only: it keeps the pages when it samples the first token)
+  COMPUTING  the engine prefills the prompt (prefill-only: it keeps the pages when it samples the first token); the
+             reservation may be confirmed meanwhile
+  COMPUTED   the first token is sampled and the pages kept, the reservation not confirmed yet: written once it is
   WRITING    one WRITE of the prompt's pages into the reservation is posted on the transfer backend's thread
   DONE       written (the decode rank was notified with the token); the first token sent; the pages released
-  FAILED     the write deadline passed first, the write failed or timed out, or the request was aborted; the pages
-             released, an error (or the abort) sent
+  FAILED     the reservation was refused or does not fit the prompt, the write deadline passed first, the write failed
+             or timed out, or the request was aborted; the pages released, an error (or the abort) sent
 
-The worker edge (`guard.py`) confirmed the reservation with the decode worker before the request got here, so the page
-ids, deadline and peer come from the decode rank's own answer. Runs on the rank's event loop; the engine is reached
-through `PrefillEngine` (the step thread), which hands back each finished prompt (`prefill_done`).
+The worker edge (`guard.py`) confirms the reservation with the decode worker while the prompt computes and hands it
+over as a future: the page ids, deadline and peer come from the decode rank's own answer, and nothing is written
+before it. It is checked when it comes (its pages fit the prompt, its metadata names its agent). Runs on the rank's
+event loop; the engine is reached through `PrefillEngine` (the step thread), which hands back each finished prompt
+(`prefill_done`).
 """
 
 import asyncio
@@ -18,7 +22,7 @@ import logging
 import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pdserve.cache.page_allocator import pages_for
@@ -31,13 +35,10 @@ log = logging.getLogger(__name__)
 
 class SenderState(enum.Enum):
     COMPUTING = "computing"
+    COMPUTED = "computed"
     WRITING = "writing"
     DONE = "done"
     FAILED = "failed"
-
-
-class ReservationMismatch(ValueError):
-    """The reservation does not fit the prompt (another page size, or a page count that is not the prompt's)."""
 
 
 class PrefillEngine(Protocol):
@@ -54,9 +55,12 @@ class PrefillEngine(Protocol):
 class Sending:
     request_id: str
     token: str
-    reservation: Reservation
-    peer: str
+    num_pages: int  # the prompt's: the reservation must have as many
     state: SenderState = SenderState.COMPUTING
+    reservation: Reservation | None = None  # once confirmed and checked
+    peer: str = ""
+    first: TokenEvent | None = None  # from COMPUTED on: the first token, sent once written
+    page_ids: list[int] = field(default_factory=list)  # from COMPUTED on: the prompt's pages, kept for the write
     aborted: bool = False  # the caller went away while WRITING: the write finishes, nobody hears of it
 
 
@@ -79,32 +83,78 @@ class Sender:
         sending = self._sendings.get(request_id)
         return sending.state if sending else None
 
-    async def admit(self, request: GenerateRequest, reservation: Reservation) -> None:
+    def confirmed(self, request_id: str) -> bool:
+        """Whether the request's reservation has come and fits."""
+        sending = self._sendings.get(request_id)
+        return sending is not None and sending.reservation is not None
+
+    async def admit(self, request: GenerateRequest, reservation: asyncio.Future[Reservation]) -> None:
+        """Starts the prompt at once; `reservation` is the worker edge's confirm, still under way (a failed or
+        cancelled one ends the request)."""
         destination = request.plan.destination
         assert destination is not None
         num_pages = pages_for(len(request.prompt_token_ids), self._page_size)
-        if len(reservation.page_ids) != num_pages or not 0 <= reservation.skip_pages <= num_pages:
-            raise ReservationMismatch(
-                f"reservation of {len(reservation.page_ids)} pages (skipping {reservation.skip_pages}) does not fit a "
-                f"prompt of {len(request.prompt_token_ids)} tokens in pages of {self._page_size}")
-        peer = await asyncio.wrap_future(self._backend.add_peer(reservation.agent_metadata))
-        if peer != reservation.agent_name:
-            raise ReservationMismatch(f"reservation names agent {reservation.agent_name!r}, its metadata {peer!r}")
-        sending = Sending(request.request_id, destination.reservation_token, reservation, peer)
+        sending = Sending(request.request_id, destination.reservation_token, num_pages)
         self._sendings[sending.request_id] = sending
         try:
             await self._engine.add_prefill_only(request)
         except BaseException:
             self._sendings.pop(sending.request_id, None)
             raise
+        reservation.add_done_callback(lambda confirm: self._spawn(self._confirmed(sending, confirm)))
+
+    async def _confirmed(self, sending: Sending, confirm: asyncio.Future[Reservation]) -> None:
+        """The worker edge's confirm came: a reservation that fits is written into, at once if the prompt is computed;
+        a refused, failed or unfitting one ends the request."""
+        if sending.state not in (SenderState.COMPUTING, SenderState.COMPUTED):
+            return  # aborted meanwhile
+        if confirm.cancelled():
+            self._abandon(sending, "the reservation was not confirmed: the worker edge gave up on it")
+            return
+        if (error := confirm.exception()) is not None:
+            self._abandon(sending, f"the reservation was not confirmed: {error}")
+            return
+        reservation = confirm.result()
+        problem = self._misfit(reservation, sending.num_pages)
+        peer = ""
+        if problem is None:
+            try:
+                peer = await asyncio.wrap_future(self._backend.add_peer(reservation.agent_metadata))
+            except Exception as error:  # noqa: BLE001 - a peer that cannot be added ends the request as a misfit does
+                problem = f"the reservation's peer could not be added: {error}"
+            else:
+                if peer != reservation.agent_name:
+                    problem = f"reservation names agent {reservation.agent_name!r}, its metadata {peer!r}"
+        if problem is not None:
+            self._abandon(sending, problem)
+        elif sending.state in (SenderState.COMPUTING, SenderState.COMPUTED):  # not aborted while the peer was added
+            sending.reservation, sending.peer = reservation, peer
+            if sending.state is SenderState.COMPUTED:
+                self._write(sending)
+
+    def _misfit(self, reservation: Reservation, num_pages: int) -> str | None:
+        """Why the reservation cannot take the prompt's pages (another page size, or another page count), if so."""
+        if len(reservation.page_ids) == num_pages and 0 <= reservation.skip_pages <= num_pages:
+            return None
+        return (f"reservation of {len(reservation.page_ids)} pages (skipping {reservation.skip_pages}) does not fit "
+                f"a prompt of {num_pages} pages of {self._page_size} tokens")
 
     def prefill_done(self, first: TokenEvent, page_ids: list[int]) -> None:
-        """The engine sampled the first token and kept the prompt's `page_ids`: write them (on the loop)."""
+        """The engine sampled the first token and kept the prompt's `page_ids`: write them once the reservation is
+        confirmed (on the loop)."""
         sending = self._sendings.get(first.request_id)
         if sending is None or sending.state is not SenderState.COMPUTING:  # aborted meanwhile
             self._spawn(self._engine.release(first.request_id))
             return
-        reservation = sending.reservation
+        sending.first, sending.page_ids = first, page_ids
+        if sending.reservation is None:
+            sending.state = SenderState.COMPUTED
+        else:
+            self._write(sending)
+
+    def _write(self, sending: Sending) -> None:
+        reservation, first = sending.reservation, sending.first
+        assert reservation is not None and first is not None
         if time.time() > reservation.write_deadline_unix_s:  # the decode rank has given up: its pages may be reused
             self._finish(sending, SenderState.FAILED,
                          TokenEvent(first.request_id, [], finish_reason="error",
@@ -112,7 +162,7 @@ class Sender:
             return
         skip = reservation.skip_pages
         sending.state = SenderState.WRITING
-        written = self._backend.write(sending.peer, page_ids[skip:], reservation.page_ids[skip:],
+        written = self._backend.write(sending.peer, sending.page_ids[skip:], reservation.page_ids[skip:],
                                       sending.token.encode(), min(self._transfer_timeout_s, reservation.transfer_timeout_s))
         asyncio.wrap_future(written).add_done_callback(lambda _: self._written(sending, first, written))
 
@@ -124,18 +174,29 @@ class Sender:
             sending.aborted = True  # the pages are released when the write completes: it still reads them
         else:
             self._sendings.pop(request_id, None)
-            sending.state = SenderState.FAILED
-            await self._engine.abort(request_id)
+            await self._fail(sending)
         self._emit(TokenEvent(request_id, [], finish_reason="abort"))
         return True
 
     def fail_computing(self, message: str) -> None:
         """The engine step failed: every prompt still computing ends with an error."""
         for sending in [s for s in self._sendings.values() if s.state is SenderState.COMPUTING]:
-            self._sendings.pop(sending.request_id)
-            sending.state = SenderState.FAILED
-            self._spawn(self._engine.abort(sending.request_id))
-            self._emit(TokenEvent(sending.request_id, [], finish_reason="error", error=message))
+            self._abandon(sending, message)
+
+    def _abandon(self, sending: Sending, message: str) -> None:
+        """Ends a request whose prompt is computing or computed, before any write: its pages freed, an error sent."""
+        if sending.state not in (SenderState.COMPUTING, SenderState.COMPUTED):
+            return  # already ended (an abort came first)
+        self._sendings.pop(sending.request_id, None)
+        self._spawn(self._fail(sending))
+        self._emit(TokenEvent(sending.request_id, [], finish_reason="error", error=message))
+
+    def _fail(self, sending: Sending) -> Coroutine[Any, Any, None]:
+        """FAILED; returns the engine call that frees the pages (a computed prompt kept them, a computing one is
+        aborted)."""
+        free = self._engine.release if sending.state is SenderState.COMPUTED else self._engine.abort
+        sending.state = SenderState.FAILED
+        return free(sending.request_id)
 
     def _written(self, sending: Sending, first: TokenEvent, written: Future[WriteResult]) -> None:
         error = written.exception()

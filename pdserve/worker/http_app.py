@@ -20,7 +20,6 @@ from pdserve.wire.protocol import (
     GenerateRequest,
     LoadReport,
     RankLoad,
-    Reservation,
     ReservationQuery,
     TokenEvent,
     WorkerHealth,
@@ -31,6 +30,7 @@ from pdserve.worker.config import WorkerConfig
 from pdserve.worker.drain import CountedStreamingResponse, DrainGate
 from pdserve.worker.inprocess_rank import InProcessRank
 from pdserve.worker.metrics import WorkerMetrics
+from pdserve.worker.prefill_start import start_prefill
 from pdserve.worker.rank_actors import RankHandle
 
 log = logging.getLogger(__name__)
@@ -145,19 +145,20 @@ def build_worker_app(cfg: WorkerConfig, ranks: RankSet, info: WorkerInfo, guard:
             return _error(503, "worker is draining")
         if cfg.role == "prefill" and body.plan.kind == "decode" or cfg.role == "decode" and body.plan.kind == "prefill":
             return _error(400, f"a {cfg.role} worker does not take {body.plan.kind} plans")
-        reservation: Reservation | None = None
         try:
-            if body.plan.kind == "prefill":
-                reservation = await guard.confirm_prefill_plan(body)
-            elif body.plan.kind == "decode":
-                guard.check_decode_plan(body)
+            if body.plan.kind == "prefill":  # the rank computes while the reservation is confirmed
+                stream = await start_prefill(guard, body, handle.generate)
+            else:
+                if body.plan.kind == "decode":
+                    guard.check_decode_plan(body)
+                stream = handle.generate(body)
         except HandoffRefused as refused:
             log.warning("refused a %s plan for %r: %s", body.plan.kind, body.request_id, refused)
             return _error(refused.status, str(refused))
 
         async def lines() -> AsyncIterator[bytes]:
             try:
-                async for events in handle.generate(body, reservation):  # what has come goes out in one write
+                async for events in stream:  # what has come goes out in one write
                     yield b"".join(msgspec.json.encode(event) + b"\n" for event in coalesce_events(events))
             except Exception as error:  # noqa: BLE001 - a dead rank ends the stream with an error event
                 event = TokenEvent(body.request_id, [], finish_reason="error", error=f"rank {body.rank} failed: {error}")

@@ -3,7 +3,7 @@ on a RankRuntime. The in-process cluster (pdserve/cluster/inprocess.py) serves i
 expert-parallel instance needs a process per rank and keeps its actors."""
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Awaitable
 
 from pdserve.wire.protocol import (
     GenerateRequest,
@@ -34,7 +34,7 @@ class InProcessRank:
         return runtime.info()
 
     async def generate(self, request: GenerateRequest,
-                       reservation: Reservation | None = None) -> AsyncIterator[list[TokenEvent]]:
+                       reservation: Awaitable[Reservation] | None = None) -> AsyncGenerator[list[TokenEvent], None]:
         async for event in self._started().generate(request, reservation):
             yield [event]
 

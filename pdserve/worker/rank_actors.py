@@ -5,13 +5,17 @@ token: a rank's events for all its requests go out on one stream (`RankActor.eve
 the last, about one per engine step; the worker process sorts them into its requests' queues. At a batch of 256 a
 stream per request cost the worker's event loop one Ray item (and a cross-thread wake-up) per token, thousands a
 second, which capped what a decode worker could stream below what its GPU made (docs/benchmarks.md).
+
+A prefill plan's reservation follows its request as a second call (`deliver_reservation`): the worker edge confirms
+it while the rank computes (pending_reservations.py).
 """
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Awaitable
 from datetime import timedelta
 
 import msgspec
@@ -33,6 +37,7 @@ from pdserve.wire.protocol import (
     TokenEvent,
 )
 from pdserve.worker.gc_pauses import freeze_start_up_objects
+from pdserve.worker.pending_reservations import PendingReservations
 from pdserve.worker.rank_runtime import RankConfig, RankRuntime, RankStats
 
 log = logging.getLogger(__name__)
@@ -48,6 +53,7 @@ class RankActor:
         self._outbox_filled = asyncio.Event()
         self._consumer = 0  # the event stream being served; a newer call takes over from an older one
         self._forwarding: set[asyncio.Task] = set()
+        self._reservations = PendingReservations()  # what submitted prefill plans wait for
         cfg = msgspec.json.decode(cfg_json, type=RankConfig)
         if cfg.engine.device == "cpu" or not torch.cuda.is_available():
             torch.set_num_threads(1)  # ranks share the host's cores; one thread each avoids oversubscription
@@ -91,21 +97,30 @@ class RankActor:
         log.debug("rank %s: %d start-up objects frozen", self.cfg.rank, frozen)
         return msgspec.json.encode(runtime.info())
 
-    async def submit(self, request_json: bytes, reservation_json: bytes = b"null") -> None:
-        """Starts a request; its events come out of `events` with those of every other request."""
+    async def submit(self, request_json: bytes, reservation_follows: bool = False) -> None:
+        """Starts a request; its events come out of `events` with those of every other request. `reservation_follows`:
+        a prefill plan, whose reservation `deliver_reservation` brings."""
         request = msgspec.json.decode(request_json, type=GenerateRequest)
-        reservation = msgspec.json.decode(reservation_json, type=Reservation | None)
+        reservation = self._reservations.claim(request.request_id) if reservation_follows else None
         task = asyncio.create_task(self._forward(self._started(), request, reservation))
         self._forwarding.add(task)
         task.add_done_callback(self._forwarding.discard)
 
-    async def _forward(self, runtime: RankRuntime, request: GenerateRequest, reservation: Reservation | None) -> None:
+    async def deliver_reservation(self, request_id: str, reservation_json: bytes) -> None:
+        """The worker edge's confirmed reservation for a prefill plan; null: the edge refused it (the request ends)."""
+        self._reservations.deliver(request_id, msgspec.json.decode(reservation_json, type=Reservation | None))
+
+    async def _forward(self, runtime: RankRuntime, request: GenerateRequest,
+                       reservation: asyncio.Future[Reservation] | None) -> None:
         try:
             async for event in runtime.generate(request, reservation):
                 self._post(event)
         except Exception as error:  # noqa: BLE001 - the request ends with an error event, as any failure does
             self._post(TokenEvent(request.request_id, [], finish_reason="error",
                                   error=f"rank {self.cfg.rank} failed: {error}"))
+        finally:
+            if reservation is not None:
+                self._reservations.drop(request.request_id, reservation)
 
     def _post(self, event: TokenEvent) -> None:
         self._outbox.append(event)
@@ -150,13 +165,15 @@ class RankHandle:
         self.actor = actor
         self._streams: dict[str, asyncio.Queue[TokenEvent]] = {}  # the requests in flight on this rank
         self._pump: asyncio.Task | None = None  # reads the rank's event stream into `_streams`
+        self._deliveries: set[asyncio.Task] = set()  # reservations on their way to the rank
 
     async def info(self, timeout_s: float) -> RankInfo:
         return msgspec.json.decode(await asyncio.wait_for(self.actor.info.remote(), timeout_s), type=RankInfo)
 
     async def generate(self, request: GenerateRequest,
-                       reservation: Reservation | None = None) -> AsyncIterator[list[TokenEvent]]:
-        """The request's events, as lists of those that arrived while the caller was busy with the previous."""
+                       reservation: Awaitable[Reservation] | None = None) -> AsyncGenerator[list[TokenEvent], None]:
+        """The request's events, as lists of those that arrived while the caller was busy with the previous.
+        `reservation`: a prefill plan's, still being confirmed; the rank has the request meanwhile."""
         request_id = request.request_id
         if request_id in self._streams:
             yield [TokenEvent(request_id, [], finish_reason="error",
@@ -168,7 +185,12 @@ class RankHandle:
         try:
             if self._pump is None or self._pump.done():
                 self._pump = asyncio.create_task(self._read_events())
-            await self.actor.submit.remote(msgspec.json.encode(request), msgspec.json.encode(reservation))
+            submitted = self.actor.submit.remote(msgspec.json.encode(request), reservation is not None)
+            if reservation is not None:  # sent whatever becomes of this call: the rank's prefill waits for it
+                delivery = asyncio.ensure_future(self._deliver_reservation(request_id, reservation))
+                self._deliveries.add(delivery)
+                delivery.add_done_callback(self._deliveries.discard)
+            await submitted
             while not finished:
                 events = [await stream.get()]
                 while not stream.empty():
@@ -179,6 +201,14 @@ class RankHandle:
             del self._streams[request_id]
             if not finished:  # the caller went away: the rank stops it (a dead rank's refusal is of no interest)
                 self.actor.abort.remote(request_id)
+
+    async def _deliver_reservation(self, request_id: str, reservation: Awaitable[Reservation]) -> None:
+        confirm = asyncio.ensure_future(reservation)
+        await asyncio.wait({confirm})
+        # Refused: the rank only needs to stop (the edge tells the caller why).
+        confirmed = None if confirm.cancelled() or confirm.exception() is not None else confirm.result()
+        with contextlib.suppress(Exception):  # a dead rank: its event stream ends the request
+            await self.actor.deliver_reservation.remote(request_id, msgspec.json.encode(confirmed))
 
     async def _read_events(self) -> None:
         decoder = msgspec.json.Decoder(list[TokenEvent])

@@ -3,7 +3,8 @@ backend; and the three request plans.
 
 Queues a request passes through:
   both:    engine.waiting -> engine.running -> stream
-  prefill: disagg Sender: COMPUTING (engine, pages kept) -> WRITING (transfer thread) -> DONE -> stream
+  prefill: disagg Sender: COMPUTING (engine, pages kept) [-> COMPUTED (the reservation's confirm not in yet)]
+           -> WRITING (transfer thread) -> DONE -> stream
   decode:  disagg Receiver: RESERVING -> PREFILL_REQUESTED -> CONFIRMED -> FIRST_TOKEN -> KV_ARRIVED -> DECODING
            (engine.running from the prefill's first token) -> stream
 The engine is touched only by its step thread (`step_loop.py`); async callers hand it closures. Load, stats and
@@ -15,7 +16,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -305,8 +306,10 @@ class RankRuntime:
         return RankStats(self.steps.snapshot.engine, self.counters.drain())
 
     # --- requests ---------------------------------------------------------------------------------------------
-    async def generate(self, request: GenerateRequest, reservation: Reservation | None = None) -> AsyncIterator[TokenEvent]:
-        """`reservation`: for a prefill plan, what the worker edge confirmed with the decode worker."""
+    async def generate(self, request: GenerateRequest,
+                       reservation: Awaitable[Reservation] | None = None) -> AsyncGenerator[TokenEvent, None]:
+        """`reservation`: for a prefill plan, the worker edge's confirm of it with the decode worker, which may still
+        be under way: the prompt computes meanwhile, and is written once it is in (or ends if it fails)."""
         stream: asyncio.Queue[TokenEvent] = asyncio.Queue()
         request_id = request.request_id
         if request_id in self._streams:
@@ -350,7 +353,7 @@ class RankRuntime:
     async def confirm_reservation(self, query: ReservationQuery) -> Reservation | None:
         return await self.receiver.confirm(query)
 
-    async def _admit(self, request: GenerateRequest, reservation: Reservation | None) -> TokenEvent | None:
+    async def _admit(self, request: GenerateRequest, reservation: Awaitable[Reservation] | None) -> TokenEvent | None:
         """Start the request per its plan; returns a first event to emit at once (errors, the decode's first token)."""
         plan, request_id = request.plan, request.request_id
         try:
@@ -360,7 +363,7 @@ class RankRuntime:
             if plan.kind == "prefill":
                 if reservation is None:
                     return self._error(request_id, "a prefill plan needs a reservation the worker edge confirmed")
-                await self.sender.admit(request, reservation)
+                await self.sender.admit(request, asyncio.ensure_future(reservation))
                 return None
             if plan.prefill is None:
                 return self._error(request_id, "a decode plan needs a prefill source")

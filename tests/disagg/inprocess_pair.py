@@ -15,6 +15,7 @@ from pdserve.transfer.inprocess import InjectedFaults, InProcessBackend, InProce
 from pdserve.wire.client import WorkerUnavailable
 from pdserve.wire.protocol import GenerateRequest, Plan, PrefillSource, ReservationQuery, TokenEvent
 from pdserve.wire.sampling import SamplingParams
+from pdserve.worker.prefill_start import start_prefill
 from pdserve.worker.rank_runtime import RankConfig, RankRuntime
 
 T = TypeVar("T")
@@ -23,7 +24,8 @@ CALL_TIMEOUT_S = 30.0
 
 
 class PrefillWorker:
-    """The prefill worker as the decode rank reaches it: what its HTTP edge does (guard, then rank), in process.
+    """The prefill worker as the decode rank reaches it: what its HTTP edge does (the rank computing while the guard
+    confirms the reservation), in process.
     `mode`: normal; refuse (nothing listens); hang (takes the request, never answers); die_after_confirm."""
 
     def __init__(self, guard: HandoffGuard, runtime: RankRuntime):
@@ -38,25 +40,28 @@ class PrefillWorker:
         if self.mode == "hang":
             await asyncio.sleep(3600)
         try:
-            reservation = await self.guard.confirm_prefill_plan(request)
+            if self.mode == "die_after_confirm":  # the confirm alone: the process is gone before its rank writes
+                await self.guard.confirm_reservation(request, self.guard.check_prefill_plan(request))
+            else:
+                stream = await start_prefill(self.guard, request, self.runtime.generate)
         except HandoffRefused as refused:
             raise WorkerUnavailable(f"HTTP {refused.status}: {refused}", refused=True) from refused
-        if self.mode == "die_after_confirm":  # the process is gone: its stream breaks, nothing is written
+        if self.mode == "die_after_confirm":  # its stream breaks, nothing is written
             yield TokenEvent(request.request_id, [], finish_reason="error", error="worker stream broke")
             return
         if not self.drop_aborts:
-            async for event in self.runtime.generate(request, reservation):
+            async for event in stream:
                 yield event
             return
         # Nothing the decode rank does reaches the prefill rank now, not even closing the stream.
         events: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        self._detached.add(asyncio.ensure_future(self._feed(request, reservation, events)))
+        self._detached.add(asyncio.ensure_future(self._feed(stream, events)))
         while (event := await events.get()).finish_reason is None:
             yield event
         yield event
 
-    async def _feed(self, request, reservation, events: asyncio.Queue) -> None:
-        async for event in self.runtime.generate(request, reservation):
+    async def _feed(self, stream: AsyncIterator[TokenEvent], events: asyncio.Queue) -> None:
+        async for event in stream:
             events.put_nowait(event)
 
     async def abort(self, request_id: str) -> None:

@@ -1,6 +1,6 @@
-"""The worker edge's checks on hand-off plans: peers only from discovery (however a URL is spelled), a prefill plan
-admitted only with the reservation the decode worker confirms, and that reservation's deadline set and bounded. The
-decode worker here is a stand-in answering what a compromised or broken one could."""
+"""The worker edge's checks on hand-off plans: peers only from discovery (however a URL is spelled, checked before the
+rank sees anything), a prefill plan's reservation as the decode worker confirms it, and that reservation's deadline set
+and bounded. The decode worker here is a stand-in answering what a compromised or broken one could."""
 
 import asyncio
 import time
@@ -37,7 +37,8 @@ def prefill_plan(url: str = DECODE, token: str = "tok") -> GenerateRequest:
 
 
 def confirm(guard: HandoffGuard, request: GenerateRequest):
-    return asyncio.run(guard.confirm_prefill_plan(request))
+    """What the edge does with a prefill plan: the destination checked at once, then the reservation confirmed."""
+    return asyncio.run(guard.confirm_reservation(request, guard.check_prefill_plan(request)))
 
 
 @pytest.mark.parametrize("spelling", [DECODE, DECODE + "/", "HTTP://10.0.0.7:8100", "http://10.0.0.7:8100/x/.."])
@@ -50,10 +51,10 @@ def test_a_peer_is_known_however_its_url_is_spelled(spelling):
 
 @pytest.mark.parametrize("url", ["http://10.0.0.7:8101", "http://10.0.0.9:8100", "https://10.0.0.7:8100",
                                  "http://169.254.169.254/latest", "http://10.0.0.7:notaport", ""])
-def test_a_destination_discovery_does_not_name_is_refused_without_a_call(url):
+def test_a_destination_discovery_does_not_name_is_refused_at_once_without_a_call(url):
     decode = DecodeWorker(reservation())
     with pytest.raises(HandoffRefused) as refused:
-        confirm(HandoffGuard(StaticDiscovery([DECODE]), decode), prefill_plan(url))
+        HandoffGuard(StaticDiscovery([DECODE]), decode).check_prefill_plan(prefill_plan(url))  # synchronous
     assert refused.value.status == 403 and decode.asked == []
 
 
@@ -74,7 +75,7 @@ def test_a_reservation_that_is_refused_or_out_of_bounds_is_refused(make_answer, 
 def test_a_prefill_plan_without_a_destination_is_a_bad_request():
     request = GenerateRequest("r1", 0, [1], plan=Plan("prefill"))
     with pytest.raises(HandoffRefused) as refused:
-        confirm(HandoffGuard(StaticDiscovery([DECODE]), DecodeWorker(reservation())), request)
+        HandoffGuard(StaticDiscovery([DECODE]), DecodeWorker(reservation())).check_prefill_plan(request)
     assert refused.value.status == 400
 
 

@@ -1,11 +1,13 @@
 """Every path of the prefill -> decode hand-off, between a prefill and a decode rank of this process (real engines,
 the in-process transfer backend, the worker edge's guard): tokens equal colocated ones, each failure ends with a clear
-error and frees every page (at once, or after the quarantine when a write could still land), and nothing is written,
-nor any decode started, for a reservation a caller forged."""
+error and frees every page (at once, or after the quarantine when a write could still land), the prefill computes while
+its reservation is confirmed but writes only once it is, and nothing is written, nor any decode started, for a
+reservation a caller forged."""
 
 import asyncio
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -13,11 +15,11 @@ import torch
 from inprocess_pair import DECODE_URL, Pair, at_rest, collect, decode_plan
 from probes import eventually
 
-from pdserve.disagg.guard import HandoffRefused
 from pdserve.disagg.receiver import ReceiverState
 from pdserve.disagg.sender import SenderState
 from pdserve.engine.engine import NoCapacityError
-from pdserve.wire.protocol import GenerateRequest, KVDestination, Plan, ReservationQuery
+from pdserve.wire.client import WorkerUnavailable
+from pdserve.wire.protocol import GenerateRequest, KVDestination, Plan, Reservation, ReservationQuery
 from pdserve.wire.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -106,6 +108,34 @@ class GatedJoin:
         self._pair.loop.call_soon_threadsafe(self.gate.set)
 
 
+class GatedConfirms:
+    """The prefill worker edge's reservation confirms wait until `open()` (a slow round trip to the decode worker),
+    then ask the decode worker; `refuse`: they answer as a decode worker that refuses (the decode rank never hears of
+    it); `alter`: changes what the decode worker answered."""
+
+    def __init__(self, pair: Pair, monkeypatch, refuse: bool = False,
+                 alter: Callable[[Reservation], Reservation] | None = None):
+        self._pair, self._gate = pair, asyncio.Event()
+        guard = pair.prefill_worker.guard
+        confirm_at = guard._confirm_at
+
+        async def gated(url, query):
+            await self._gate.wait()
+            if refuse:
+                return None
+            reservation = await confirm_at(url, query)
+            return reservation if alter is None or reservation is None else alter(reservation)
+
+        monkeypatch.setattr(guard, "_confirm_at", gated)
+
+    def open(self) -> None:
+        self._pair.loop.call_soon_threadsafe(self._gate.set)
+
+
+def written_bytes(pair: Pair) -> int:
+    return pair.prefill.counters.kv_transfer_bytes
+
+
 def test_handed_off_tokens_equal_colocated_ones_and_every_page_comes_back(fresh):
     colocated = fresh.generate(fresh.decode, GenerateRequest(new_id("both"), 0, PROMPT, GREEDY, Plan("both")))
     events = fresh.disaggregated(new_id("pd"), PROMPT, GREEDY)
@@ -140,21 +170,22 @@ def test_the_prefill_is_asked_for_while_the_pages_are_reserved_and_gets_them_onc
     wait_for_state(fresh.decode.receiver, rid, ReceiverState.CONFIRMED)  # the prefill worker asked; its answer waits
     time.sleep(0.05)
     assert not reception(fresh, rid).pages.done()
-    assert fresh.prefill.sender.state_of(rid) is None  # the prefill worker admits nothing before the answer
+    assert fresh.prefill.sender.state_of(rid) in (SenderState.COMPUTING, SenderState.COMPUTED)  # computing meanwhile
+    assert not fresh.prefill.sender.confirmed(rid)  # but it writes nothing before the answer
     gate.open()
     assert tokens(running.result(10)) == tokens(colocated)
 
 
 def test_a_reservation_that_fails_while_the_prefill_is_asked_for_ends_with_its_error(fresh, monkeypatch):
     gate = GatedReservations(fresh, monkeypatch, NoCapacityError("no room for the prompt's KV pages (test)"))
-    prefill_steps = fresh.prefill.steps.snapshot.steps_completed
+    written = written_bytes(fresh)
     rid = new_id("no-room")
     running = fresh.start_disaggregated(rid, PROMPT, GREEDY)
     wait_for_state(fresh.decode.receiver, rid, ReceiverState.CONFIRMED)
     gate.open()
     events = running.result(10)
     assert events[-1].finish_reason == "error" and "no room for the prompt's KV pages" in events[-1].error
-    assert fresh.prefill.steps.snapshot.steps_completed == prefill_steps  # the prefill never computed
+    assert written_bytes(fresh) == written  # the prefill computed, but never wrote (the fixture: its pages came back)
 
 
 def test_an_abort_while_the_pages_are_reserved_ends_the_reservation(fresh, monkeypatch):
@@ -166,6 +197,73 @@ def test_an_abort_while_the_pages_are_reserved_ends_the_reservation(fresh, monke
     assert fresh.run(fresh.decode.abort(rid))
     assert running.result(10)[-1].finish_reason == "abort"
     assert pages.cancelled() and fresh.decode.receiver.state_of(rid) is None  # no page ids went out: no quarantine
+
+
+def test_the_prefill_computes_while_its_reservation_is_confirmed(fresh, monkeypatch):
+    colocated = fresh.generate(fresh.decode, GenerateRequest(new_id("both"), 0, PROMPT, GREEDY, Plan("both")))
+    confirms = GatedConfirms(fresh, monkeypatch)
+    fresh.prefill.steps.test_step_delay_s = 0.5  # the confirm comes in while the prompt computes
+    written = written_bytes(fresh)
+    rid = new_id("computing")
+    running = fresh.start_disaggregated(rid, PROMPT, GREEDY)
+    wait_for_state(fresh.prefill.sender, rid, SenderState.COMPUTING)
+    assert eventually(lambda: rid in fresh.prefill.engine.requests, timeout_s=5.0, interval_s=0.002)  # in the engine
+    assert not fresh.prefill.sender.confirmed(rid)
+    assert fresh.decode.receiver.state_of(rid) is ReceiverState.PREFILL_REQUESTED  # the confirm has not reached it
+    confirms.open()
+    assert eventually(lambda: fresh.prefill.sender.confirmed(rid), timeout_s=5.0, interval_s=0.002)
+    assert fresh.prefill.sender.state_of(rid) is SenderState.COMPUTING
+    events = running.result(10)
+    assert tokens(events) == tokens(colocated) and events[-1].finish_reason == "length"
+    assert written_bytes(fresh) > written
+
+
+def test_a_confirm_that_comes_after_the_prefill_finished_is_written_then(fresh, monkeypatch):
+    colocated = fresh.generate(fresh.decode, GenerateRequest(new_id("both"), 0, PROMPT, GREEDY, Plan("both")))
+    confirms = GatedConfirms(fresh, monkeypatch)
+    written = written_bytes(fresh)
+    rid = new_id("computed")
+    running = fresh.start_disaggregated(rid, PROMPT, GREEDY)
+    wait_for_state(fresh.prefill.sender, rid, SenderState.COMPUTED)  # first token sampled, pages kept
+    time.sleep(0.05)
+    assert written_bytes(fresh) == written and fresh.prefill.sender.state_of(rid) is SenderState.COMPUTED
+    assert not running.done()
+    confirms.open()
+    events = running.result(10)
+    assert tokens(events) == tokens(colocated) and events[-1].finish_reason == "length"
+    layout = fresh.prefill.backend.layout
+    assert written_bytes(fresh) - written == 3 * layout.num_layers * layout.page_bytes
+
+
+@pytest.mark.parametrize("state", [SenderState.COMPUTING, SenderState.COMPUTED])
+def test_a_refused_confirm_ends_the_prefill_writes_nothing_and_frees_its_pages(fresh, monkeypatch, state):
+    confirms = GatedConfirms(fresh, monkeypatch, refuse=True)
+    if state is SenderState.COMPUTING:
+        fresh.prefill.steps.test_step_delay_s = 0.5
+    written = written_bytes(fresh)
+    rid = new_id(f"refused-{state.value}")
+    running = fresh.start_disaggregated(rid, PROMPT, GREEDY)
+    wait_for_state(fresh.prefill.sender, rid, state)
+    pool_before = fresh.decode.engine.runner.kv_cache.clone()
+    confirms.open()
+    events = running.result(10)
+    assert events[-1].finish_reason == "error" and "refused the reservation" in events[-1].error
+    assert fresh.prefill.sender.state_of(rid) is None
+    assert eventually(lambda: at_rest(fresh.prefill), timeout_s=5.0)
+    assert written_bytes(fresh) == written
+    assert torch.equal(fresh.decode.engine.runner.kv_cache, pool_before)
+    assert fresh.decode.receiver.state_of(rid) is None  # never confirmed there: its pages freed at once
+
+
+def test_a_confirmed_reservation_that_does_not_fit_the_prompt_ends_the_prefill(fresh, monkeypatch):
+    confirms = GatedConfirms(fresh, monkeypatch, alter=lambda confirmed: replace(confirmed,
+                                                                                 page_ids=confirmed.page_ids[:-1]))
+    confirms.open()
+    written = written_bytes(fresh)
+    events = fresh.disaggregated(new_id("misfit"), PROMPT, GREEDY)
+    assert events[-1].finish_reason == "error" and "does not fit" in events[-1].error
+    assert eventually(lambda: at_rest(fresh.prefill), timeout_s=5.0)
+    assert written_bytes(fresh) == written
 
 
 def test_the_first_token_goes_out_before_the_request_joins_the_decode_batch(fresh, monkeypatch):
@@ -253,7 +351,7 @@ def test_a_reservation_is_confirmed_once_and_only_with_its_token(fresh):
 
 
 @pytest.mark.parametrize("destination", [
-    KVDestination("http://attacker.example:80", 0, "x"),  # not a peer: never called, nothing fetched
+    KVDestination("http://attacker.example:80", 0, "x"),  # not a peer: never called, the rank never sees it
     KVDestination(DECODE_URL, 0, "made-up-token"),  # a peer, but no reservation has that token
 ], ids=["unknown-worker", "made-up-token"])
 def test_a_forged_prefill_plan_is_refused_and_writes_nothing(fresh, destination):
@@ -262,15 +360,31 @@ def test_a_forged_prefill_plan_is_refused_and_writes_nothing(fresh, destination)
     running = fresh.start_disaggregated(victim, PROMPT, GREEDY)  # a real reservation the forger aims at
     wait_for_state(fresh.decode.receiver, victim, ReceiverState.PREFILL_REQUESTED)
     pool_before = fresh.decode.engine.runner.kv_cache.clone()
+    written, steps = written_bytes(fresh), fresh.prefill.steps.snapshot.steps_completed
     forged = GenerateRequest(victim, 0, [7] * 40, GREEDY, Plan("prefill", destination=destination))
-    with pytest.raises(HandoffRefused) as refused:
-        fresh.run(fresh.prefill_worker.guard.confirm_prefill_plan(forged))
-    assert refused.value.status == 403
+    fresh.prefill_worker.mode = "normal"  # the forger reaches the prefill worker's edge
+
+    async def forge():
+        return [event async for event in fresh.prefill_worker.generate(forged, 10)]
+
+    with pytest.raises(WorkerUnavailable, match="HTTP 403"):
+        fresh.run(forge())
+    assert eventually(lambda: at_rest(fresh.prefill), timeout_s=5.0)  # what it may have computed is freed
+    if destination.url != DECODE_URL:
+        assert fresh.prefill.steps.snapshot.steps_completed == steps  # refused before the rank saw it
     time.sleep(0.1)
+    assert written_bytes(fresh) == written
     assert torch.equal(fresh.decode.engine.runner.kv_cache, pool_before)
     assert fresh.decode.receiver.state_of(victim) is ReceiverState.PREFILL_REQUESTED  # the victim's is untouched
     fresh.run(fresh.decode.abort(victim))
     assert running.result(10)[-1].finish_reason == "abort"
+
+
+def test_a_prefill_plan_with_no_reservation_coming_is_an_error(fresh):
+    request = GenerateRequest(new_id("unconfirmed"), 0, PROMPT, GREEDY,
+                              Plan("prefill", destination=KVDestination(DECODE_URL, 0, "token")))
+    events = fresh.generate(fresh.prefill, request)  # straight to the rank, past the worker edge
+    assert [e.finish_reason for e in events] == ["error"] and "needs a reservation" in events[0].error
 
 
 def test_a_notification_before_the_confirm_is_rejected(fresh):
@@ -325,6 +439,7 @@ def test_decode_death_fails_the_write_and_frees_the_prefill_pages(fresh):
     failures = fresh.prefill.counters.kv_transfer_failures
     running = fresh.start_disaggregated(rid, PROMPT, GREEDY)
     wait_for_state(fresh.prefill.sender, rid, SenderState.COMPUTING)
+    assert eventually(lambda: fresh.prefill.sender.confirmed(rid), timeout_s=5.0, interval_s=0.002)  # peer added
     fresh.fabric.leave(fresh.decode.backend.name)  # its pool is unreachable now
     try:
         events = running.result(15)
@@ -351,16 +466,20 @@ def test_abort_during_each_receiver_state_ends_with_abort(fresh, state):
     assert running.result(10)[-1].finish_reason == "abort"
 
 
-@pytest.mark.parametrize("state", [SenderState.COMPUTING, SenderState.WRITING])
-def test_abort_during_each_sender_state_frees_the_prefill_pages(fresh, state):
+@pytest.mark.parametrize("state", [SenderState.COMPUTING, SenderState.COMPUTED, SenderState.WRITING])
+def test_abort_during_each_sender_state_frees_the_prefill_pages(fresh, monkeypatch, state):
     rid = new_id(f"abort-{state.value}")
+    confirms = GatedConfirms(fresh, monkeypatch)
     if state is SenderState.COMPUTING:
         fresh.prefill.steps.test_step_delay_s = 0.5
-    else:
+    elif state is SenderState.WRITING:
         fresh.prefill_faults.write_delay_s = 0.4
+    if state is not SenderState.COMPUTED:  # COMPUTED: the prompt is computed, its reservation not confirmed yet
+        confirms.open()
     running = fresh.start_disaggregated(rid, PROMPT, GREEDY)
     wait_for_state(fresh.prefill.sender, rid, state)
     assert fresh.run(fresh.prefill.abort(rid))  # as the decode rank does when it gives up
+    confirms.open()
     assert running.result(15)[-1].finish_reason == "error"  # the decode rank hears the prefill ended without KV
     assert eventually(lambda: at_rest(fresh.prefill), timeout_s=5.0)
 

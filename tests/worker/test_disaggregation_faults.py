@@ -110,7 +110,7 @@ def test_a_stalled_prefill_times_out_and_its_late_request_is_refused_by_the_deco
             assert eventually(lambda: pages_at_rest(decode.url), timeout_s=10)
         finally:
             os.kill(prefill.process.pid, signal.SIGCONT)  # the late request now reaches the prefill worker
-        # its reservation query is refused by the decode worker, so it computes and writes nothing
+        # its reservation query is refused by the decode worker: what it computed meanwhile is freed, nothing written
         assert eventually(lambda: metric_total(decode.url, "pdserve_kv_reservations_refused_total") >= 1, 30)
         assert eventually(lambda: pages_at_rest(prefill.url))
         assert metric_total(prefill.url, "pdserve_kv_transfer_bytes_total") == written

@@ -1,6 +1,8 @@
 """Abuse of the hand-off between real workers, by a caller that can reach the internal API (as if it held the
-internal credential): a forged prefill or decode plan is refused with 403 before anything is fetched, computed or
-written; no endpoint hands out a pool's memory keys. (The pool bytes themselves are checked in process by
+internal credential): a forged plan naming an unknown worker is refused with 403 before anything is fetched or
+computed; one with a made-up reservation token may start its prefill while the reservation is asked for (the prefill
+computes while the confirm travels), but is still refused with 403, writes nothing, and its prefill pages all come
+back; no endpoint hands out a pool's memory keys. (The pool bytes themselves are checked in process by
 tests/disagg/test_handoff.py::test_a_forged_prefill_plan_is_refused_and_writes_nothing.)"""
 
 import socket
@@ -8,8 +10,8 @@ import threading
 
 import httpx
 import pytest
-from probes import internal_headers, metric_total
-from worker_calls import disaggregated, token_ids
+from probes import eventually, internal_headers, metric_total
+from worker_calls import disaggregated, pages_at_rest, token_ids
 
 from pdserve import SamplingParams
 
@@ -80,6 +82,7 @@ def test_a_prefill_plan_with_a_made_up_token_is_refused_and_writes_nothing(pd_cl
             "url": decode, "rank": 0, "reservation_token": token}})
         assert response.status_code == 403, response.text
     assert metric_total(decode, "pdserve_kv_reservations_refused_total") == refused + 3
+    assert eventually(lambda: pages_at_rest(prefill), timeout_s=15)  # what the refused prefills computed is freed
     assert metric_total(prefill, "pdserve_kv_transfer_bytes_total") == written
     assert token_ids(disaggregated(decode, prefill, PROMPT, GREEDY)) == expected
 
