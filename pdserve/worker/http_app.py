@@ -205,7 +205,8 @@ def build_worker_app(cfg: WorkerConfig, ranks: RankSet, info: WorkerInfo, guard:
         handle = rank_handle(query.rank)
         if handle is None:
             return _error(400, f"rank {query.rank} does not exist")
-        reservation = await handle.confirm_reservation(query, CALL_TIMEOUT_S)
+        # Answered once the pages are reserved, which may wait for room up to the prefill timeout.
+        reservation = await handle.confirm_reservation(query, cfg.prefill_timeout_s + CALL_TIMEOUT_S)
         if reservation is None:
             return _error(403, "no reservation awaits a prefill with that request id and token")
         return Response(msgspec.json.encode(reservation), media_type="application/json")

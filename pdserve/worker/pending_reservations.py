@@ -7,7 +7,7 @@ import asyncio
 
 from pdserve.wire.protocol import Reservation
 
-UNCLAIMED_S = 60.0  # well past the edge's confirm timeout (5 s) and any Ray delay between the two calls
+UNCLAIMED_S = 60.0  # well past any Ray delay between a request's submit and its reservation's delivery
 
 
 class PendingReservations:

@@ -24,7 +24,9 @@ from pdserve.worker.rank_actors import RANK_START_TIMEOUT_S, connect_ray, start_
 from pdserve.worker.rank_runtime import RankConfig
 
 log = logging.getLogger(__name__)
-CONFIRM_TIMEOUT_S = 5.0  # a prefill worker's reservation query to a decode worker
+# A prefill worker's reservation query waits while the decode rank waits for room (up to its prefill timeout, the
+# same setting as ours), then answers; this much more covers the hops.
+CONFIRM_MARGIN_S = 2.0
 
 
 def run_worker(cfg: WorkerConfig) -> None:
@@ -83,7 +85,7 @@ def handoff_guard(cfg: WorkerConfig) -> HandoffGuard:
     http = LazyWorkerSession(bearer_headers(cfg.internal_token))
 
     async def confirm_at(url: str, query: ReservationQuery) -> Reservation | None:
-        return await WorkerClient(url, http(), CONFIRM_TIMEOUT_S).confirm_reservation(query)
+        return await WorkerClient(url, http(), cfg.prefill_timeout_s + CONFIRM_MARGIN_S).confirm_reservation(query)
 
     return HandoffGuard(peers, confirm_at, close=http.close)
 
