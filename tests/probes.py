@@ -1,6 +1,8 @@
 """Bounded waits on live processes, shared by the tests of every folder (tests/ is on sys.path via its conftest)."""
 
 import os
+import socket
+import threading
 import time
 
 import httpx
@@ -47,3 +49,39 @@ def metric_total(url: str, name: str) -> float:
     text = httpx.get(url + "/metrics", timeout=10).text
     return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
                if sample.name == name)
+
+
+class Listener:
+    """A port on 127.0.0.1 that counts the connections made to it, and either closes each at once (what a forged URL
+    would make a worker fetch) or, with `hold`, keeps it open without a word (a worker that never answers)."""
+
+    def __init__(self, hold: bool = False) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.sock.settimeout(0.2)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.connections = 0
+        self._hold, self._held = hold, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                connection, _ = self.sock.accept()
+            except OSError:
+                continue
+            self.connections += 1
+            if self._hold:
+                self._held.append(connection)
+            else:
+                connection.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        for connection in self._held:
+            connection.close()
+        self.sock.close()

@@ -3,11 +3,10 @@ then some, no longer: under load the decode rank answers only once the pages are
 fixed few seconds failed requests the decode rank would have served."""
 
 import asyncio
-import socket
-import threading
 import time
 
 import pytest
+from probes import Listener
 
 from pdserve.disagg.guard import HandoffRefused
 from pdserve.engine.config import EngineConfig
@@ -17,38 +16,9 @@ from pdserve.worker.config import WorkerConfig
 from pdserve.worker.process import CONFIRM_MARGIN_S, handoff_guard
 
 
-class Silent:
-    """A decode worker's port that takes connections and never answers."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(8)
-        self.sock.settimeout(0.2)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self._held: list[socket.socket] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._held.append(self.sock.accept()[0])
-            except OSError:
-                continue
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        for connection in self._held:
-            connection.close()
-        self.sock.close()
-
-
 @pytest.fixture
 def silent():
-    made = Silent()
+    made = Listener(hold=True)  # a decode worker's port that takes connections and never answers
     yield made
     made.close()
 

@@ -5,12 +5,9 @@ computes while the confirm travels), but is still refused with 403, writes nothi
 back; no endpoint hands out a pool's memory keys. (The pool bytes themselves are checked in process by
 tests/disagg/test_handoff.py::test_a_forged_prefill_plan_is_refused_and_writes_nothing.)"""
 
-import socket
-import threading
-
 import httpx
 import pytest
-from probes import eventually, internal_headers, metric_total
+from probes import Listener, eventually, internal_headers, metric_total
 from worker_calls import disaggregated, pages_at_rest, token_ids
 
 from pdserve import SamplingParams
@@ -21,35 +18,6 @@ PROMPT = list(range(3, 40))
 
 def worker(cluster, role: str):
     return next(w for w in cluster.workers if w.name.startswith(role))
-
-
-class Listener:
-    """A port that records whether anything connected to it (what a forged URL would make a worker fetch)."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(8)
-        self.sock.settimeout(0.2)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.connections = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                connection, _ = self.sock.accept()
-            except OSError:
-                continue
-            self.connections += 1
-            connection.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        self.sock.close()
 
 
 @pytest.fixture

@@ -4,6 +4,8 @@ gets its reservation (or the refusal) whichever comes first, and no future stays
 import asyncio
 import time
 
+import pytest
+
 from pdserve.wire.protocol import Reservation
 from pdserve.worker.pending_reservations import PendingReservations
 
@@ -14,26 +16,18 @@ def reservation() -> Reservation:
     return Reservation("decode-agent", b"meta", [3, 4], 0, time.time() + 60, 30.0)
 
 
-def test_a_reservation_that_comes_after_its_request_reaches_it():
+@pytest.mark.parametrize("delivered_first", [False, True])
+def test_a_reservation_reaches_its_request_in_either_order(delivered_first):
     async def scenario():
         pending = PendingReservations()
+        confirmed = reservation()
+        if delivered_first:
+            pending.deliver("r1", confirmed)
         waiting = pending.claim("r1")
-        pending.deliver("r1", confirmed := reservation())
+        if not delivered_first:
+            pending.deliver("r1", confirmed)
         got = await asyncio.wait_for(waiting, WAIT_S)
         pending.drop("r1", waiting)  # the request ended
-        return got, confirmed, len(pending)
-
-    got, confirmed, left = asyncio.run(scenario())
-    assert got is confirmed and left == 0
-
-
-def test_a_reservation_that_comes_before_its_request_waits_for_it():
-    async def scenario():
-        pending = PendingReservations()
-        pending.deliver("r1", confirmed := reservation())
-        waiting = pending.claim("r1")
-        got = await asyncio.wait_for(waiting, WAIT_S)
-        pending.drop("r1", waiting)
         return got, confirmed, len(pending)
 
     got, confirmed, left = asyncio.run(scenario())
