@@ -92,6 +92,7 @@ class DecodeGraphs:
         self.sizes = cfg.batch_sizes
         self.scratch_page = scratch_page
         self.compiled = compiled
+        self.device_wait_s = 0.0  # host time spent waiting for replays before re-planning their captures, summed
         device = kv_cache.device
         # Rows: token ids, positions, KV slots. One copy fills them; every graph reads a prefix of each row.
         self._inputs = torch.zeros(3, self.sizes[-1], dtype=torch.int64, device=device)
@@ -185,12 +186,14 @@ class DecodeGraphs:
         self._plan_ahead(size, kv_lens, page_ids, pad)
         return step.logits[:num_seqs]
 
-    @staticmethod
-    def _plan(step: _CapturedStep, padded_lens: list[int], padded_pages: list[list[int]]) -> None:
+    def _plan(self, step: _CapturedStep, padded_lens: list[int], padded_pages: list[list[int]]) -> None:
         # flashinfer stages a plan in pinned host memory of the capture's own, copied in behind the queued work. While
         # that capture's last replay may still be queued (the host runs a step ahead under overlapped scheduling),
-        # rewriting the staging memory would change the plan under it: wait for that replay first.
+        # rewriting the staging memory would change the plan under it: wait for that replay first. That wait is where
+        # a device-bound decode rank's host waits (the step before's replay, planning ahead), so it is counted.
+        waited_from_s = time.perf_counter()
         step.replayed.synchronize()
+        self.device_wait_s += time.perf_counter() - waited_from_s
         step.attention.plan(padded_lens, padded_pages)
 
     def _free_index(self, size: int) -> int:

@@ -182,7 +182,7 @@ class Engine:
         self._prefix_queries_tokens = self._prefix_hits_tokens = 0
         self._prompt_tokens = self._generation_tokens = 0
         self.last_step = StepShape()  # what the last step computed (the step trace times it)
-        self.last_step_wait_s = 0.0  # of the last step() call, the host's wait for a step in flight to finish
+        self.last_step_wait_s = 0.0  # of the last step() call, the host's wait for the device (a step in flight)
         self._in_flight: InFlightStep | None = None  # the overlapped step whose tokens the host has not read yet
         log.info("engine ready: %s pages of %s tokens on %s (%s); %s", num_pages, cfg.page_size, self.device,
                  self.dtype, described)
@@ -401,12 +401,14 @@ class Engine:
         pairs overflowed runs again with split sizes on every rank (rewriting the same KV slots)."""
         exchange = self.fixed_exchange
         if exchange is None:
-            return self.runner.execute(scheduled, previous)
-        fixed_tokens = exchange.agree_fixed_tokens(self.runner.fixed_step_tokens(scheduled))
-        logits = self.runner.execute(scheduled, previous, fixed_tokens)
-        if (fixed_tokens is not None and exchange.may_overflow(fixed_tokens, self.model_config.num_experts_per_tok)
-                and exchange.overflowed_anywhere()):
             logits = self.runner.execute(scheduled, previous)
+        else:
+            fixed_tokens = exchange.agree_fixed_tokens(self.runner.fixed_step_tokens(scheduled))
+            logits = self.runner.execute(scheduled, previous, fixed_tokens)
+            if (fixed_tokens is not None and exchange.may_overflow(fixed_tokens, self.model_config.num_experts_per_tok)
+                    and exchange.overflowed_anywhere()):
+                logits = self.runner.execute(scheduled, previous)
+        self.last_step_wait_s += self.runner.take_device_wait_s()
         return logits
 
     def _launch_sample(self, logits: torch.Tensor, requests: list[Request]) -> InFlightStep:

@@ -44,6 +44,15 @@ class ModelRunner:
         self.piecewise_graphs = PiecewiseGraphs(model, piecewise, self._eager_backends, self._eager_regions, device,
                                                 dtype) if piecewise else None
 
+    def take_device_wait_s(self) -> float:
+        """Host seconds `execute` spent waiting for the device since the last call (a decode graph's capture re-planned
+        only once its previous replay has run)."""
+        graphs = self.decode_graphs
+        if graphs is None:
+            return 0.0
+        waited_s, graphs.device_wait_s = graphs.device_wait_s, 0.0
+        return waited_s
+
     def fixed_step_tokens(self, scheduled: list[ScheduledSeq]) -> int | None:
         """What this rank offers for a fixed-capacity exchange: its decode batch (0 when idle), or None where the step
         needs split sizes (a prefill chunk, or more sequences than the largest graph)."""
@@ -57,7 +66,7 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledSeq], previous: InFlightStep | None = None,
                 fixed_tokens: int | None = None) -> torch.Tensor:
         """Run the step; returns float32 logits [num sampling seqs, vocab] in the order of `scheduled`. Nothing here
-        waits for the device.
+        waits for the device but a decode graph's re-plan (`take_device_wait_s`).
 
         `previous`: the overlapped step before this one, whose sampled tokens the host has not read yet; a sequence's
         last token may be one of them, and is then taken from the device. An empty `scheduled` runs a forward pass

@@ -31,6 +31,7 @@ class SimulatedRunner:
         self.bytes_per_page = profile.kv_bytes_per_token * page_size
         self.seconds_per_page_written = self.bytes_per_page / (profile.kv_write_gb_per_s * 1e9) * time_scale
         self.simulated_s = 0.0  # step time slept so far, before scaling
+        self._slept_s = 0.0  # since take_device_wait_s last asked: the simulated device's time, which the host waits
         self._generator = torch.Generator().manual_seed(seed)
 
     def execute(self, scheduled: list[ScheduledSeq], previous: InFlightStep | None = None) -> torch.Tensor:
@@ -38,5 +39,11 @@ class SimulatedRunner:
         seconds = self.profile.step_ms(step_shape(scheduled)) / 1000
         self.simulated_s += seconds
         time.sleep(seconds * self.time_scale)
+        self._slept_s += seconds * self.time_scale
         rows = sum(1 for seq in scheduled if seq.samples)
         return torch.randn(rows, self.vocab_size, generator=self._generator)
+
+    def take_device_wait_s(self) -> float:
+        """The sleep since the last call: here the host waits out every step the simulated device computes."""
+        slept_s, self._slept_s = self._slept_s, 0.0
+        return slept_s

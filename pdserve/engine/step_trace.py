@@ -24,8 +24,8 @@ class StepRecord:
     engine_ms: float  # the engine's step alone
     turn_ms: float  # from the step's start to the next step's start, or to the loop's return to idle
     gc_ms: float = 0.0  # of the turn, the time the process spent collecting garbage (any thread: the GIL is held)
-    wait_ms: float = 0.0  # of engine_ms, the host's wait for the step before to finish on the device (overlapped
-    # scheduling: near 0 when the host, not the device, sets the pace)
+    wait_ms: float = 0.0  # of engine_ms, the host's wait for the device: the step before, a decode graph's previous
+    # replay (overlapped scheduling: near 0 when the host, not the device, sets the pace)
     free_pages: int = -1  # after the step: KV pages free or held only by the prefix cache (-1: not recorded)
     held_seqs: int = -1  # after the step: sequences holding pages (running, waiting, reserved, being handed off)
 

@@ -45,6 +45,16 @@ def test_a_simulated_engine_schedules_caches_and_accounts_each_step_by_the_profi
     assert sim.stats().expert_weight_bytes == 0
 
 
+def test_a_simulated_step_counts_its_sleep_as_the_hosts_wait_for_the_device(tiny_v2):
+    """What the step trace's wait_ms reads: the simulated device computes while the host sleeps."""
+    sim = engine(tiny_v2, num_pages=64)
+    sim.add_request("a", list(range(5, 105)), SamplingParams(max_tokens=1, temperature=0.0))
+    before_s = sim.runner.simulated_s
+    sim.step()
+    slept_s = (sim.runner.simulated_s - before_s) * sim.runner.time_scale
+    assert slept_s > 0 and slept_s <= sim.last_step_wait_s < slept_s + 0.5
+
+
 def test_a_simulated_pool_is_sized_like_the_profiled_gpu_pool_and_experts_are_refused(tiny_v2):
     assert engine(tiny_v2).allocator.num_pages == PROFILE.kv_pool_tokens // 16
     with pytest.raises(ValueError, match="no experts"):
