@@ -46,16 +46,31 @@ SCRAPED = ("pdserve_kv_transfer_bytes_total", "pdserve_kv_transfer_seconds_sum",
 ITL_BOUNDS = ("0.05", "0.1")
 
 
-def scrape_totals(url: str) -> dict[str, float]:
+def scrape_metrics(url: str) -> str:
     try:
-        text = httpx.get(url + "/metrics", timeout=10).text
+        return httpx.get(url + "/metrics", timeout=10).text
     except httpx.HTTPError:
+        return ""
+
+
+def samples(text: str, name: str) -> list[float]:
+    """The values of every sample of `name` (whatever its labels) in a /metrics text."""
+    return [float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
+
+
+def scrape_gauge(url: str, name: str) -> float:
+    """A gauge summed over the worker's ranks (0 where the worker does not answer)."""
+    return sum(samples(scrape_metrics(url), name))
+
+
+def scrape_totals(url: str) -> dict[str, float]:
+    text = scrape_metrics(url)
+    if not text:
         return {}
     totals = {}
     for name in SCRAPED:
-        values = re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
-        if values:
-            totals[name] = sum(float(v) for v in values)
+        if values := samples(text, name):
+            totals[name] = sum(values)
     for bound in ITL_BOUNDS:
         pattern = rf'^pdserve_inter_token_latency_seconds_bucket{{[^}}]*le="{bound}"[^}}]*}} (\S+)$'
         values = re.findall(pattern, text, re.M)
@@ -127,7 +142,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         with LocalCluster(cfg) as cluster:
             record["startup_s"] = time.monotonic() - started
-            print(f"[{time.monotonic() - started:5.0f} s] {args.deployment} up: {cluster.url}", flush=True)
+            record["kv_pool_pages"] = {w.name: scrape_gauge(w.url, "pdserve_kv_cache_pages") for w in cluster.workers}
+            pools = ", ".join(f"{name} {pages:,.0f}" for name, pages in record["kv_pool_pages"].items())
+            print(f"[{time.monotonic() - started:5.0f} s] {args.deployment} up: {cluster.url} (KV pool pages: {pools})",
+                  flush=True)
             base = workload_from_preset(preset, num_requests=args.min_requests, seed=args.seed, request_rate=rates[0])
             warm = replace(base, seed=args.seed + 10_000, num_requests=8, request_rate=None, max_concurrency=2,
                            long_fraction=0.5, output_len=LengthRange(4, 8))

@@ -41,6 +41,7 @@ class WorkerMetrics:
                 "Fraction of KV pages in use (prefix-cache pages count as used)",
                 lambda s, c: 1.0 - s.free_pages / max(1, s.total_pages),
             ),
+            "pdserve_kv_cache_pages": ("KV pages in the rank's pool, fixed at start", lambda s, c: s.total_pages),
             "pdserve_expert_weight_bytes": ("Routed expert weights this rank holds",
                                             lambda s, c: s.expert_weight_bytes),
         }

@@ -8,6 +8,7 @@ scripts import, no command line) and gpu_service_profile.py's CPU smoke run (tes
 import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -156,5 +157,8 @@ def test_pd_vs_colocated_runs_a_deployment_then_compares_it(tmp_path):
     stdout = run_script("pd_vs_colocated.py", ["run", "--deployment", "pd", "--rates", "8", "--window-s", "0.25",
                                                "--min-requests", "2", "--drain-s", "30", "--out", out], tmp_path, 240.0)
     assert "| deployment | rate (req/s) | completed |" in stdout and "| pd | 8 | 2/2 |" in stdout
+    pools = re.search(r"KV pool pages: (\S+) ([\d,]+), (\S+) ([\d,]+)\)", stdout)  # both workers' pools, sized
+    assert pools and {pools[1], pools[3]} == {"prefill-0", "decode-0"}, stdout[:2000]
+    assert int(pools[2].replace(",", "")) > 0 and int(pools[4].replace(",", "")) > 0
     stdout = run_script("pd_vs_colocated.py", ["compare", "--out", out], tmp_path, 60.0)
     assert "| pd | 8 | 2/2 |" in stdout and "pd: highest rate meeting the SLO" in stdout
