@@ -281,7 +281,7 @@ class Engine:
             raise NoCapacityError(f"all {self.cfg.max_num_seqs} sequence slots are taken")
         num_pages = pages_for(len(prompt_token_ids), self.cfg.page_size)
         growth = self.growth_pages()
-        if self.allocator.num_free + self.prefix_cache.num_cached_pages - num_pages < growth:
+        if self.available_pages - num_pages < growth:
             raise NoCapacityError(f"no room for {num_pages} pages beside the {growth} the held sequences' next "
                                   f"tokens take ({self.allocator.num_free} free)")
         request = self._new_request(request_id, prompt_token_ids, sampling)
@@ -298,6 +298,11 @@ class Engine:
             settled = torch.cuda.Event()
             settled.record(torch.cuda.current_stream(self.device))
         return ReservedPages(pages, settled)
+
+    @property
+    def available_pages(self) -> int:
+        """Pages a new sequence can take: free ones and those only the prefix cache holds (evicted on demand)."""
+        return self.allocator.num_free + self.prefix_cache.num_cached_pages
 
     def growth_pages(self) -> int:
         """Pages the held sequences (running, reserved, preempted) still need for up to `decode_reserve_tokens` more

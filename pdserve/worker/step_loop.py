@@ -153,8 +153,7 @@ class StepLoop:
             engine_ms = (time.monotonic() - engine_started_s) * 1000
             engine = self.engine
             self._open_turn = _OpenTurn(engine.last_step, started_s, engine_ms, gc_s, engine.last_step_wait_s * 1000,
-                                        engine.allocator.num_free + engine.prefix_cache.num_cached_pages,
-                                        len(engine.requests))
+                                        engine.available_pages, len(engine.requests))
         return outputs
 
     def _end_turn(self, now_s: float) -> None:
@@ -201,15 +200,12 @@ class StepLoop:
         queued faster than they run (hundreds of reservations retrying every 20 ms) held the loop with no step: the
         likely cause of a decode rank's 51 s stall on two H100s (docs/benchmarks.md)."""
         try:
-            fn, future = self._commands.get(timeout=self._idle_wait_s if block else 0)
+            taken = [self._commands.get(timeout=self._idle_wait_s if block else 0)]
         except queue.Empty:
             return
-        for taken in range(1 + self._commands.qsize()):
-            if taken:
-                try:
-                    fn, future = self._commands.get_nowait()
-                except queue.Empty:
-                    return
+        for _ in range(self._commands.qsize()):
+            taken.append(self._commands.get_nowait())  # this thread alone takes from the queue: none is missing
+        for fn, future in taken:
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn())
