@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pdserve.engine.device_values import on_device
 from pdserve.wire.sampling import SamplingParams
 
 
@@ -19,8 +20,8 @@ def apply_logit_bias(logits: torch.Tensor, biases: Sequence[dict[int, float]]) -
     device = logits.device
     cols = [token_id for bias in biases for token_id in bias]
     values = [value for bias in biases for value in bias.values()]
-    logits.index_put_((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
-                      torch.tensor(values, device=device, dtype=logits.dtype), accumulate=True)
+    logits.index_put_((on_device(rows, device), on_device(cols, device)), on_device(values, device, logits.dtype),
+                      accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], prompt_token_ids: Sequence[Sequence[int]],
@@ -29,16 +30,17 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], prom
     if not rows:
         return
     device, vocab_size = logits.device, logits.shape[1]
-    index = torch.tensor(rows, device=device)
+    index = on_device(rows, device)
     output_counts = token_counts([output_token_ids[row] for row in rows], vocab_size, device)
     selected = logits[index]
-    repetition = torch.tensor([params[row].repetition_penalty for row in rows], device=device)
-    if bool((repetition != 1.0).any()):
+    repetitions = [params[row].repetition_penalty for row in rows]
+    if any(penalty != 1.0 for penalty in repetitions):
+        repetition = on_device(repetitions, device, torch.float32)
         seen = (output_counts > 0) | (token_counts([prompt_token_ids[row] for row in rows], vocab_size, device) > 0)
         penalty = torch.where(seen, repetition[:, None], torch.ones_like(repetition)[:, None])
         selected = torch.where(selected > 0, selected / penalty, selected * penalty)
-    frequency = torch.tensor([params[row].frequency_penalty for row in rows], device=device)
-    presence = torch.tensor([params[row].presence_penalty for row in rows], device=device)
+    frequency = on_device([params[row].frequency_penalty for row in rows], device, torch.float32)
+    presence = on_device([params[row].presence_penalty for row in rows], device, torch.float32)
     selected = selected - frequency[:, None] * output_counts - presence[:, None] * (output_counts > 0)
     logits[index] = selected.to(logits.dtype)
 
@@ -49,7 +51,7 @@ def token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int, device: 
     padded = torch.full((len(token_lists), longest), vocab_size, dtype=torch.long)  # the pad column is dropped
     for row, tokens in enumerate(token_lists):
         padded[row, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
-    padded = padded.to(device)
+    padded = padded.to(device, non_blocking=True)
     counts = torch.zeros(len(token_lists), vocab_size + 1, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
     return counts[:, :vocab_size]

@@ -68,11 +68,12 @@ NEW_ROWS_KEY = "kv_new_rows"  # the step's new keys, as (page, row)
 
 def gather_kv(kv_cache: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
     """Every cached row of each sequence, in order: [sum(kv_lens), kv_dim]. The slots are computed on the device
-    from host-known lengths (no sync) once per step."""
+    from host-known lengths once per step, without waiting for the device (torch.tensor(list, device=...) would: it
+    copies blocking, behind every queued kernel)."""
     slots = batch.plans.get(KV_SLOTS_KEY)
     if slots is None:
         device = batch.page_table.device
-        kv_lens = torch.tensor(batch.kv_lens, dtype=torch.int64, device=device)
+        kv_lens = host_ints(batch.kv_lens, "q", torch.int64).to(device, non_blocking=True)
         total = sum(batch.kv_lens)
         seq = torch.repeat_interleave(torch.arange(len(batch.kv_lens), device=device), kv_lens, output_size=total)
         pos = torch.arange(total, device=device) - (kv_lens.cumsum(0) - kv_lens)[seq]
