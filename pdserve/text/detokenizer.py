@@ -1,11 +1,13 @@
 """Turn one request's output tokens into streamable text, and cut it at the first stop string.
 
-Decoding works on a short window of recent tokens (prefix-offset technique): the text of the window's already
-emitted part is subtracted from the text of the whole window. With byte-level BPE a character may span several
-tokens; while the window's text ends in U+FFFD (an unfinished UTF-8 sequence) nothing is emitted for it.
+Decoding is `tokenizers`' DecodeStream: it keeps a short window of recent tokens and emits the window's text past the
+part already emitted (the prefix-offset technique), holding back text that ends in U+FFFD (an unfinished UTF-8
+sequence of byte-level BPE). One call into Rust a token: this runs for every token of every request on a rank's step
+thread, where the Python of a window decode of our own cost several times as much under the other threads' GIL turns.
 """
 
 import tokenizers
+from tokenizers.decoders import DecodeStream
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded in front of the output, so that decoders that depend on what precedes a token (e.g. a
@@ -25,20 +27,17 @@ class IncrementalDetokenizer:
         self._skip_special_tokens = skip_special_tokens
         self._stop = list(stop)
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
-        if self._decode(context).endswith(REPLACEMENT_CHAR):
+        self._context_text = self._decode(context)
+        if self._context_text.endswith(REPLACEMENT_CHAR):
             # A prompt cut inside a character would glue its bytes to the output's; start clean instead.
-            context = []
-        self._token_ids = context
-        self._prefix_offset = 0  # window start: tokens before it are never decoded again
-        self._read_offset = len(context)  # tokens before it have been turned into text
+            context, self._context_text = [], ""
+        self._context = context
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self._token_ids: list[int] = []  # the output so far, for the final flush
+        self._streamed = 0  # characters the stream has given out
+        self._pending = False  # tokens pushed since the stream last gave text
         self._held = ""  # decoded text kept back because it may be the start of a stop string
-        self._text = ""
         self._stopped = False
-
-    @property
-    def text(self) -> str:
-        """All text emitted so far."""
-        return self._text
 
     @property
     def stopped(self) -> bool:
@@ -50,32 +49,32 @@ class IncrementalDetokenizer:
         if self._stopped:
             return "", True
         self._token_ids.extend(token_ids)
-        return self._release(self._new_text(final=False), final=False)
+        # One id as an int: the list form costs a third more per call.
+        new_text = self._stream.step(self._tokenizer, token_ids[0] if len(token_ids) == 1 else token_ids)
+        self._pending = new_text is None
+        if new_text is None:
+            return "", False
+        self._streamed += len(new_text)
+        if not self._stop:  # nothing to look for or hold back (most requests)
+            return new_text, False
+        return self._release(new_text, final=False)
 
     def flush(self) -> str:
-        """At finish without a stop string: release everything held back, unfinished characters included."""
+        """At finish without a stop string: release everything held back, unfinished characters included (the text
+        a decode of the whole output ends with)."""
         if self._stopped:
             return ""
-        released, _ = self._release(self._new_text(final=True), final=True)
+        rest = ""
+        if self._pending:  # rare: the last tokens ended inside a character, or added nothing
+            whole = self._decode(self._context + self._token_ids)
+            rest = whole[len(self._context_text) + self._streamed :]
+        released, _ = self._release(rest, final=True)
         return released
 
     def _decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
 
-    def _new_text(self, final: bool) -> str:
-        emitted = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
-        window = self._decode(self._token_ids[self._prefix_offset :])
-        if len(window) <= len(emitted) or (window.endswith(REPLACEMENT_CHAR) and not final):
-            return ""
-        # The window's text up to read_offset ended on a whole character, so it is a prefix of the longer text.
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._token_ids)
-        return window[len(emitted) :]
-
     def _release(self, new_text: str, final: bool) -> tuple[str, bool]:
-        if not self._stop:  # nothing to look for or hold back (most requests)
-            self._text += new_text
-            return new_text, False
         # Held text is never a full stop string and emitted text never ends in the start of one, so a stop string
         # can only appear within held + new text.
         pending = self._held + new_text
@@ -85,7 +84,6 @@ class IncrementalDetokenizer:
         else:
             keep = 0 if final else self._stop_prefix_len(pending)
             released, self._held = pending[: len(pending) - keep], pending[len(pending) - keep :]
-        self._text += released
         return released, self._stopped
 
     def _stop_prefix_len(self, text: str) -> int:
