@@ -1,9 +1,12 @@
 """The benchmark end to end against a real local cluster (router + prefill + decode on the tiny model)."""
 
+import asyncio
 import json
 
 import pytest
 
+from pdserve.bench.client import RunLimits, run_workload
+from pdserve.bench.workload import BenchRequest, WorkloadConfig
 from pdserve.cli.bench import add_bench_parser
 from pdserve.cluster.local import ClusterConfig, LocalCluster
 
@@ -54,3 +57,16 @@ def test_bench_run_writes_result_json_with_every_request_timed(cluster, tmp_path
 
     status = _bench(["compare", str(out), str(out)])
     assert status == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_request_is_a_failed_result_with_its_status_and_the_rest_are_timed(cluster):
+    """The client's own paths: a 4xx answer is recorded as that request's error, the streamed one beside it counts."""
+    refused = BenchRequest(index=0, arrival_s=0.0, prompt_token_ids=(5,) * 100_000, max_tokens=4, group=None,
+                           conversation=0, turn=0, previous_turn=None)
+    served = BenchRequest(index=1, arrival_s=0.0, prompt_token_ids=(5, 6, 7), max_tokens=4, group=None,
+                          conversation=1, turn=0, previous_turn=None)
+    results, _ = asyncio.run(run_workload(cluster.url, [refused, served], WorkloadConfig(num_requests=2, max_concurrency=2),
+                                          RunLimits(request_timeout_s=30.0, run_timeout_s=45.0)))
+    assert not results[0].ok and results[0].error.startswith("HTTP 400")
+    assert results[1].ok and results[1].output_tokens == 4 and len(results[1].itl_s) == 3
