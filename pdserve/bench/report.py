@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pdserve.bench.client import RequestResult
+from pdserve.bench.cpu_throttle import Throttling
 from pdserve.bench.loop_watch import LoopStall
 
 PERCENTILES = (50, 90, 99)
@@ -44,9 +45,11 @@ def meets_slo(result: RequestResult, slo: SLO) -> bool:
 
 
 def summarize(results: list[RequestResult], duration_s: float, slo: SLO, prefix_cache_hit_ratio: float | None = None,
-              client_stalls: Sequence[LoopStall] = ()) -> dict:
+              client_stalls: Sequence[LoopStall] = (), cpu_throttling: Throttling | None = None) -> dict:
     """The summary fields of a result JSON (see docs/benchmarks.md); latencies in seconds. `client_stalls`: the
-    client's own event-loop stalls (pdserve/bench/loop_watch.py), the longest kept with their stacks."""
+    client's own event-loop stalls (pdserve/bench/loop_watch.py), the longest kept with their stacks.
+    `cpu_throttling`: the run's CFS throttling of the client's cgroup (pdserve/bench/cpu_throttle.py), None where
+    unknown."""
     completed = [r for r in results if r.ok]
     ttfts = [r.ttft_s for r in completed if r.ttft_s is not None]
     itls = [gap for r in completed for gap in r.itl_s]
@@ -76,6 +79,7 @@ def summarize(results: list[RequestResult], duration_s: float, slo: SLO, prefix_
         "client_stall_s": sum(stall.duration_s for stall in client_stalls),
         "longest_client_stalls": [asdict(stall) for stall in
                                   sorted(client_stalls, key=lambda stall: -stall.duration_s)[:LONGEST_STALLS_KEPT]],
+        "cpu_throttling": asdict(cpu_throttling) if cpu_throttling is not None else None,
     }
 
 
@@ -145,7 +149,15 @@ def summary_lines(summary: dict) -> str:
         f"{summary['slo']['ttft_s']} s and own ITL p99 <= {summary['slo']['itl_p99_s']} s)",
         f"prefix-cache hit ratio (prefill side): {'-' if hit is None else f'{hit:.3f}'}",
         f"client event-loop stalls over 50 ms: {stalls_text(summary)}",
+        f"CPU quota (the client's cgroup): {throttling_text(summary.get('cpu_throttling'))}",
     ])
+
+
+def throttling_text(throttling: dict | None) -> str:
+    if throttling is None:
+        return "not readable"
+    return (f"throttled in {throttling['throttled_periods']} of {throttling['periods']} periods, "
+            f"{throttling['throttled_s'] * 1e3:.0f} ms in all")
 
 
 def stalls_text(summary: dict) -> str:
