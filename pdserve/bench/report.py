@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pdserve.bench.client import RequestResult
-from pdserve.bench.cpu_throttle import Throttling
+from pdserve.bench.cpu_wait import Throttling
 from pdserve.bench.loop_watch import LoopStall
 
 PERCENTILES = (50, 90, 99)
@@ -45,11 +45,12 @@ def meets_slo(result: RequestResult, slo: SLO) -> bool:
 
 
 def summarize(results: list[RequestResult], duration_s: float, slo: SLO, prefix_cache_hit_ratio: float | None = None,
-              client_stalls: Sequence[LoopStall] = (), cpu_throttling: Throttling | None = None) -> dict:
+              client_stalls: Sequence[LoopStall] = (), cpu_throttling: Throttling | None = None,
+              cpu_pressure_s: float | None = None) -> dict:
     """The summary fields of a result JSON (see docs/benchmarks.md); latencies in seconds. `client_stalls`: the
     client's own event-loop stalls (pdserve/bench/loop_watch.py), the longest kept with their stacks.
-    `cpu_throttling`: the run's CFS throttling of the client's cgroup (pdserve/bench/cpu_throttle.py), None where
-    unknown."""
+    `cpu_throttling`, `cpu_pressure_s`: the run's CFS throttling of the client's cgroup and the time some runnable task
+    waited for a CPU (pdserve/bench/cpu_wait.py), None where unknown."""
     completed = [r for r in results if r.ok]
     ttfts = [r.ttft_s for r in completed if r.ttft_s is not None]
     itls = [gap for r in completed for gap in r.itl_s]
@@ -80,6 +81,7 @@ def summarize(results: list[RequestResult], duration_s: float, slo: SLO, prefix_
         "longest_client_stalls": [asdict(stall) for stall in
                                   sorted(client_stalls, key=lambda stall: -stall.duration_s)[:LONGEST_STALLS_KEPT]],
         "cpu_throttling": asdict(cpu_throttling) if cpu_throttling is not None else None,
+        "cpu_pressure_s": cpu_pressure_s,
     }
 
 
@@ -149,7 +151,8 @@ def summary_lines(summary: dict) -> str:
         f"{summary['slo']['ttft_s']} s and own ITL p99 <= {summary['slo']['itl_p99_s']} s)",
         f"prefix-cache hit ratio (prefill side): {'-' if hit is None else f'{hit:.3f}'}",
         f"client event-loop stalls over 50 ms: {stalls_text(summary)}",
-        f"CPU quota (the client's cgroup): {throttling_text(summary.get('cpu_throttling'))}",
+        f"CPU quota (the client's cgroup): {throttling_text(summary.get('cpu_throttling'))}; "
+        f"a runnable task waited for a CPU: {pressure_text(summary)}",
     ])
 
 
@@ -158,6 +161,13 @@ def throttling_text(throttling: dict | None) -> str:
         return "not readable"
     return (f"throttled in {throttling['throttled_periods']} of {throttling['periods']} periods, "
             f"{throttling['throttled_s'] * 1e3:.0f} ms in all")
+
+
+def pressure_text(summary: dict) -> str:
+    pressure_s = summary.get("cpu_pressure_s")
+    if pressure_s is None:
+        return "not readable"
+    return f"{pressure_s:.1f} s of the run's {summary['duration_s']:.1f} s"
 
 
 def stalls_text(summary: dict) -> str:

@@ -10,7 +10,7 @@ from urllib.parse import urlparse
 from tqdm import tqdm
 
 from pdserve.bench.client import RequestResult, RunLimits, run_workload
-from pdserve.bench.cpu_throttle import read_throttling, throttling_between
+from pdserve.bench.cpu_wait import read_cpu_pressure_s, read_throttling, throttling_between
 from pdserve.bench.loop_watch import LoopStall, LoopWatch
 from pdserve.bench.report import SLO, summarize
 from pdserve.bench.worker_metrics import hit_ratio_between, scrape_prefix_counters, worker_urls
@@ -52,19 +52,22 @@ def run_benchmark(url: str, workload: WorkloadConfig, slo: SLO, limits: RunLimit
     # alive now stays out of collections while the replay runs, and goes back in after it (a caller's objects that
     # die later must still be collectable).
     gc.freeze()
-    throttled_before = read_throttling()
+    throttled_before, pressure_before_s = read_throttling(), read_cpu_pressure_s()
     try:
         results, duration_s, stalls = asyncio.run(watched())
     finally:
         gc.unfreeze()
         bar.close()
     throttling = throttling_between(throttled_before, read_throttling())
+    pressure_after_s = read_cpu_pressure_s()
+    pressure_s = (pressure_after_s - pressure_before_s
+                  if pressure_before_s is not None and pressure_after_s is not None else None)
     hit_ratio, per_rank = hit_ratio_between(before, scrape_prefix_counters(workers))
     return {
         "label": label,
         "url": url,
         "workload": asdict(workload),
-        "summary": summarize(results, duration_s, slo, hit_ratio, stalls, throttling),
+        "summary": summarize(results, duration_s, slo, hit_ratio, stalls, throttling, pressure_s),
         "prefix_cache_per_rank": per_rank,
         "requests": [
             {**asdict(result), "group": request.group, "turn": request.turn, "max_tokens": request.max_tokens}

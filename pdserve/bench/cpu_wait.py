@@ -1,7 +1,9 @@
-"""How long the kernel held the benchmark's cgroup off the CPU (CFS quota throttling) during a run. A throttled cgroup
-runs nothing until the next period (100 ms by default), every process and thread in it at once: the client's stalls
-then have no Python frame to show, and every server process in the same container stalls with it. A container on a
-GPU host may have a CPU quota below its visible cores, so a run reports what it was throttled."""
+"""What held the benchmark's processes off the CPU during a run, two ways:
+- CFS quota throttling of its cgroup: a throttled cgroup runs nothing until the next period (100 ms by default), every
+  process and thread in it at once, so the client's stalls have no Python frame to show and every server process in
+  the same container stalls with it (a container on a GPU host may have a quota below its visible cores);
+- CPU pressure (PSI, `some`): how long at least one runnable task waited for a core, from more runnable threads than
+  cores (spinning progress threads, many processes on few cores)."""
 
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,6 +11,8 @@ from pathlib import Path
 # cgroup v2, then v1's cpu controller mounted alone or together with cpuacct.
 CPU_STAT_FILES = (Path("/sys/fs/cgroup/cpu.stat"), Path("/sys/fs/cgroup/cpu/cpu.stat"),
                   Path("/sys/fs/cgroup/cpu,cpuacct/cpu.stat"))
+# The cgroup's own pressure (v2), then the machine's (or the container's, with its own cgroup namespace).
+CPU_PRESSURE_FILES = (Path("/sys/fs/cgroup/cpu.pressure"), Path("/proc/pressure/cpu"))
 
 
 @dataclass(frozen=True)
@@ -48,3 +52,25 @@ def throttling_between(before: Throttling | None, after: Throttling | None) -> T
         return None
     return Throttling(after.periods - before.periods, after.throttled_periods - before.throttled_periods,
                       after.throttled_s - before.throttled_s)
+
+
+def parse_cpu_pressure_s(text: str) -> float | None:
+    """The `some` line's cumulative `total` (microseconds) of a PSI file, in seconds."""
+    for line in text.splitlines():
+        kind, *fields = line.split()
+        if kind == "some":
+            total = dict(field.partition("=")[::2] for field in fields).get("total", "")
+            return int(total) / 1e6 if total.isdigit() else None
+    return None
+
+
+def read_cpu_pressure_s(files: tuple[Path, ...] = CPU_PRESSURE_FILES) -> float | None:
+    """Seconds, cumulative, that some runnable task waited for a CPU (the first of `files` that says), or None."""
+    for path in files:
+        try:
+            seconds = parse_cpu_pressure_s(path.read_text())
+        except OSError:
+            continue
+        if seconds is not None:
+            return seconds
+    return None
