@@ -5,8 +5,12 @@
 - CPU pressure (PSI, `some`): how long at least one runnable task waited for a core, from more runnable threads than
   cores (spinning progress threads, many processes on few cores)."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 # cgroup v2, then v1's cpu controller mounted alone or together with cpuacct.
 CPU_STAT_FILES = (Path("/sys/fs/cgroup/cpu.stat"), Path("/sys/fs/cgroup/cpu/cpu.stat"),
@@ -35,16 +39,21 @@ def parse_cpu_stat(text: str) -> Throttling | None:
     return Throttling(fields.get("nr_periods", 0), fields["nr_throttled"], throttled_s)
 
 
-def read_throttling(files: tuple[Path, ...] = CPU_STAT_FILES) -> Throttling | None:
-    """This process's cgroup counters now (the first of `files` that has them), or None where none is readable."""
+def first_parsed(files: tuple[Path, ...], parse: Callable[[str], T | None]) -> T | None:
+    """`parse` of the first of `files` that is readable and says something, or None."""
     for path in files:
         try:
-            throttling = parse_cpu_stat(path.read_text())
+            parsed = parse(path.read_text())
         except OSError:
             continue
-        if throttling is not None:
-            return throttling
+        if parsed is not None:
+            return parsed
     return None
+
+
+def read_throttling(files: tuple[Path, ...] = CPU_STAT_FILES) -> Throttling | None:
+    """This process's cgroup counters now, or None where none is readable."""
+    return first_parsed(files, parse_cpu_stat)
 
 
 def throttling_between(before: Throttling | None, after: Throttling | None) -> Throttling | None:
@@ -65,12 +74,5 @@ def parse_cpu_pressure_s(text: str) -> float | None:
 
 
 def read_cpu_pressure_s(files: tuple[Path, ...] = CPU_PRESSURE_FILES) -> float | None:
-    """Seconds, cumulative, that some runnable task waited for a CPU (the first of `files` that says), or None."""
-    for path in files:
-        try:
-            seconds = parse_cpu_pressure_s(path.read_text())
-        except OSError:
-            continue
-        if seconds is not None:
-            return seconds
-    return None
+    """Seconds, cumulative, that some runnable task waited for a CPU, or None where no file says."""
+    return first_parsed(files, parse_cpu_pressure_s)
