@@ -2,9 +2,10 @@
 generations get 503), in-flight generations run to their end for at most `drain_timeout_s`, then the server exits.
 A second signal exits at once."""
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import uvicorn
 from starlette.responses import StreamingResponse
@@ -29,6 +30,15 @@ class DrainGate:
     def start_draining(self) -> None:
         if self.draining_since_s is None:
             self.draining_since_s = self._clock()
+
+    @contextlib.contextmanager
+    def counted(self) -> Iterator[None]:
+        """In flight for the block: a generation before its response exists (a prefill plan being confirmed)."""
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
 
     def drained(self, timeout_s: float) -> bool:
         """Draining and either nothing is in flight or the grace period is over."""

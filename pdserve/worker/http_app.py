@@ -147,11 +147,8 @@ def build_worker_app(cfg: WorkerConfig, ranks: RankSet, info: WorkerInfo, guard:
             return _error(400, f"a {cfg.role} worker does not take {body.plan.kind} plans")
         try:
             if body.plan.kind == "prefill":  # the rank computes while the reservation is confirmed
-                gate.in_flight += 1  # from here, not only once the response exists: a drain waits for it
-                try:
+                with gate.counted():  # a drain waits for it; the response counts it afterwards (no await between)
                     stream = await start_prefill(guard, body, handle.generate)
-                finally:
-                    gate.in_flight -= 1  # the response counts it from here on (no await between)
             else:
                 if body.plan.kind == "decode":
                     guard.check_decode_plan(body)
