@@ -163,6 +163,11 @@ class DecodeGraphs:
         num_seqs = len(input_ids)
         size = next(s for s in self.sizes if s >= max(num_seqs, at_least, 1))
         pad = size - num_seqs
+        # The device still runs the last replay: the host is ahead, so planning the next step now costs no step time.
+        # When the device has finished, the host sets the pace, and a plan ahead that the next batch does not match
+        # (a request joined or finished: most steps at high rates) would only be a second plan on the critical path.
+        last = self._last_replayed
+        device_busy = last is not None and not self._steps[last[0]][last[1]].replayed.query()
         padded_lens = kv_lens + [1] * pad
         padded_pages = page_ids + [[self.scratch_page]] * pad
         ahead = self._planned_ahead
@@ -183,10 +188,13 @@ class DecodeGraphs:
         step.graph.replay()
         step.replayed.record()
         self._last_replayed = (size, index)
-        self._plan_ahead(size, kv_lens, page_ids, pad)
+        if device_busy:
+            self._plan_ahead(size, kv_lens, pad)
+        else:
+            self._planned_ahead = None
         return step.logits[:num_seqs]
 
-    def _plan(self, step: _CapturedStep, padded_lens: list[int], padded_pages: list[list[int]]) -> None:
+    def _plan(self, step: _CapturedStep, padded_lens: list[int], padded_pages: list[list[int]] | None) -> None:
         # flashinfer stages a plan in pinned host memory of the capture's own, copied in behind the queued work. While
         # that capture's last replay may still be queued (the host runs a step ahead under overlapped scheduling),
         # rewriting the staging memory would change the plan under it: wait for that replay first. That wait is where
@@ -201,19 +209,17 @@ class DecodeGraphs:
         last = self._last_replayed
         return 1 - last[1] if last is not None and last[0] == size else 0
 
-    def _plan_ahead(self, size: int, kv_lens: list[int], page_ids: list[list[int]], pad: int) -> None:
-        """Plan the other capture for the same sequences one token longer, while the GPU runs this step. A page the
-        longer sequence will need but does not own yet is a placeholder until run() copies the real ids in."""
+    def _plan_ahead(self, size: int, kv_lens: list[int], pad: int) -> None:
+        """Plan the other capture for the same sequences one token longer, while the GPU runs this step: by the
+        lengths alone, as run() copies that step's page ids in (a longer sequence may own a page more by then)."""
         next_lens = [n + 1 for n in kv_lens]
         # Nothing to plan for an idle rank, nor past the longest sequence captured for.
         if not next_lens or pages_for(max(next_lens), self.page_size) > self.max_pages_per_seq:
             self._planned_ahead = None
             return
-        next_pages = [pages if pages_for(n, self.page_size) <= len(pages) else pages + [self.scratch_page]
-                      for pages, n in zip(page_ids, next_lens)]
         padded_lens = next_lens + [1] * pad
         index = self._free_index(size)
-        self._plan(self._steps[size][index], padded_lens, next_pages + [[self.scratch_page]] * pad)
+        self._plan(self._steps[size][index], padded_lens, None)
         self._planned_ahead = _PlannedStep(size, index, tuple(padded_lens))
 
 

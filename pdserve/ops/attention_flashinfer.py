@@ -123,15 +123,20 @@ class FlashInferMLAGraphSlot:
             backend="auto",
         )
 
-    def plan(self, kv_lens: list[int], page_ids: list[list[int]]) -> None:
-        """kv_lens/page_ids of exactly `batch_size` sequences (padding rows included)."""
+    def plan(self, kv_lens: list[int], page_ids: list[list[int]] | None) -> None:
+        """kv_lens/page_ids of exactly `batch_size` sequences (padding rows included). page_ids None: a plan by the
+        lengths alone, whose page ids copy_page_ids() writes before the replay (zeros until then)."""
         from flashinfer.mla import MLAPlanMetadata
 
         pages_per_seq = [pages_for(n, self.page_size) for n in kv_lens]
+        if page_ids is None:  # the plan splits work by length only: no host array of every page id
+            kv_indices = torch.zeros(sum(pages_per_seq), dtype=torch.int32, device=self.wrapper.device)
+        else:
+            kv_indices = host_page_ids(page_ids, pages_per_seq).to(self.wrapper.device, non_blocking=True)
         metadata = MLAPlanMetadata.csr(
             qo_indptr=self._qo_indptr,
             kv_indptr=_indptr(pages_per_seq),
-            kv_indices=host_page_ids(page_ids, pages_per_seq).to(self.wrapper.device, non_blocking=True),
+            kv_indices=kv_indices,
             kv_len_arr=torch.tensor(kv_lens, dtype=torch.int32),
         )
         self.wrapper.plan(metadata=metadata, **self._plan_args)

@@ -177,12 +177,15 @@ class TritonMLAGraphSlot:
         self.meta = torch.zeros(2 * batch_size + max_kv_pages, dtype=torch.int32, device=device)
         self.partials = partials(batch_size, num_heads, head_dim_ckv, device)
 
-    def plan(self, kv_lens: list[int], page_ids: list[list[int]]) -> None:
-        """kv_lens/page_ids of exactly `batch_size` sequences (padding rows included)."""
+    def plan(self, kv_lens: list[int], page_ids: list[list[int]] | None) -> None:
+        """kv_lens/page_ids of exactly `batch_size` sequences (padding rows included). page_ids None: nothing yet,
+        as the kernels split work by the lengths they read with the ids: copy_page_ids() writes both."""
+        if page_ids is None:
+            return
         meta = decode_meta(kv_lens, page_ids, self.page_size)
         self.meta[: meta.numel()].copy_(meta, non_blocking=True)
 
-    copy_page_ids = plan  # the kernels split work by the lengths they read, so new ids are a new plan
+    copy_page_ids = plan
 
     def forward(self, q_latent, q_pe, latent, k_pe, kv_cache, batch: AttentionBatch, softmax_scale: float):
         return mla_decode(q_latent, q_pe, kv_cache, self.meta, *self.partials, self.page_size, softmax_scale,
