@@ -24,9 +24,9 @@ import httpx
 import torch
 
 from pdserve.cluster.local import ClusterConfig, LocalCluster
-from pdserve.http.internal_auth import TOKEN_ENV, bearer_headers
+from pdserve.http.internal_auth import TOKEN_ENV
 from pdserve.model.tiny import make_config_only_model, make_tiny_model
-from pdserve.wire.client import WorkerClient, worker_session
+from pdserve.wire.client import WorkerClient, WorkerSession
 from pdserve.wire.protocol import GenerateRequest, Plan, PrefillSource
 from pdserve.wire.sampling import SamplingParams
 
@@ -35,7 +35,7 @@ V2_LITE_CONFIG = Path(__file__).resolve().parents[1] / "pdserve" / "model" / "co
 
 
 async def ttft_s(url: str, request: GenerateRequest) -> float:
-    async with worker_session(bearer_headers(os.environ[TOKEN_ENV])) as http:
+    async with WorkerSession(os.environ[TOKEN_ENV]) as http:
         start = time.perf_counter()
         async for event in WorkerClient(url, http).generate(request, first_token_timeout_s=300):
             if event.error:

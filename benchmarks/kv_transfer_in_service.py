@@ -24,9 +24,9 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.cluster.local import ClusterConfig, LocalCluster
-from pdserve.http.internal_auth import TOKEN_ENV, bearer_headers
+from pdserve.http.internal_auth import TOKEN_ENV
 from pdserve.model.tiny import make_config_only_model, make_tiny_model
-from pdserve.wire.client import WorkerClient, worker_session
+from pdserve.wire.client import WorkerClient, WorkerSession
 from pdserve.wire.protocol import GenerateRequest, Plan, PrefillSource
 from pdserve.wire.sampling import SamplingParams
 
@@ -71,7 +71,7 @@ async def run_level(decode_url: str, prefill_url: str, prompts: list[list[int]],
     for index in range(len(prompts)):
         queue.put_nowait(index)
     ttfts: list[float] = []
-    async with worker_session(bearer_headers(os.environ[TOKEN_ENV])) as http:
+    async with WorkerSession(os.environ[TOKEN_ENV]) as http:
         async def client() -> None:
             while not queue.empty():
                 index = queue.get_nowait()

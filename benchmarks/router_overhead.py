@@ -2,8 +2,9 @@
 sent straight to the stand-in ("direct"), in one run on one machine.
 
 The stand-in (`stand-in` subcommand, started by `run` as its own process) is not a worker: it speaks the internal API
-the router needs (health, info, load, KV events, generate answering every token at once as one NDJSON TokenEvent, as
-a worker's edge writes the tokens a request has queued, or paced, one event per token) and,
+the router needs (health, info, load, KV events over HTTP; generate over the worker channel, served by the worker's own
+channel module, answering every token at once as one TokenEvent, as a worker's edge writes the tokens a request has
+queued, or paced, one event per token) and,
 for the direct baseline, answers `/v1/completions` itself with the same tokens in OpenAI's shape. So direct costs
 one HTTP exchange with no routing, and router - direct is the router's overhead.
 
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncGenerator
 from pathlib import Path
 
 import aiohttp
@@ -41,6 +43,7 @@ import msgspec
 
 from pdserve.http.ports import free_port
 from pdserve.http.internal_auth import TOKEN_ENV
+from pdserve.wire.channel_server import ChannelServer
 from pdserve.wire.protocol import (
     API_VERSION,
     GenerateRequest,
@@ -68,12 +71,30 @@ async def body_of(receive) -> bytes:
             return b"".join(chunks)
 
 
-def stand_in_app(token: str, token_interval_s: float):
+def stand_in_generate(token_interval_s: float):
+    """The stand-in's generate for its channel: every token at once in one event, or one event per token, paced."""
+    async def events(request: GenerateRequest) -> AsyncGenerator[list[TokenEvent], None]:
+        n, prompt_tokens = request.sampling.max_tokens, len(request.prompt_token_ids)
+        if not token_interval_s:
+            yield [TokenEvent(request.request_id, [TOKEN_ID] * n, prompt_tokens=prompt_tokens, finish_reason="length")]
+            return
+        for i in range(n):
+            await asyncio.sleep(token_interval_s)
+            yield [TokenEvent(request.request_id, [TOKEN_ID], prompt_tokens=prompt_tokens,
+                              finish_reason="length" if i == n - 1 else None)]
+
+    async def start(request: GenerateRequest) -> AsyncGenerator[list[TokenEvent], None]:
+        return events(request)
+
+    return start
+
+
+def stand_in_app(token: str, token_interval_s: float, channel_port: int):
     authorization = f"Bearer {token}".encode()
     health = msgspec.json.encode(WorkerHealth("ok", "both", 1))
-    info = msgspec.json.encode(WorkerInfo(API_VERSION, "both", MODEL, 4096, [RankInfo(0, 16, 4096, "stand-in")]))
+    info = msgspec.json.encode(WorkerInfo(API_VERSION, "both", MODEL, 4096, [RankInfo(0, 16, 4096, "stand-in")],
+                                          channel_port))
     load = msgspec.json.encode(LoadReport([RankLoad(0, 0, 0, 4096, 4096, 0)]))
-    decode_request = msgspec.json.Decoder(GenerateRequest).decode
 
     async def answer(send, status: int, body: bytes, content_type: bytes = b"application/json") -> None:
         await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", content_type)]})
@@ -123,25 +144,23 @@ def stand_in_app(token: str, token_interval_s: float):
             return
         if path == "/internal/v1/abort":
             return await answer(send, 200, b"{}")
-        if path == "/internal/v1/generate":
-            request = decode_request(await body_of(receive))
-            n, prompt_tokens = request.sampling.max_tokens, len(request.prompt_token_ids)
-            if not token_interval_s:  # every token ready at once: one event, as a worker's edge writes what queued
-                event = TokenEvent(request.request_id, [TOKEN_ID] * n, prompt_tokens=prompt_tokens,
-                                   finish_reason="length")
-                return await answer(send, 200, msgspec.json.encode(event) + b"\n", b"application/x-ndjson")
-            lines = [msgspec.json.encode(TokenEvent(request.request_id, [TOKEN_ID], prompt_tokens=prompt_tokens,
-                                                    finish_reason="length" if i == n - 1 else None)) for i in range(n)]
-            return await stream(send, [line + b"\n" for line in lines], b"application/x-ndjson")
         return await answer(send, 404, b"{}")
 
     return app
 
 
 def serve_stand_in(port: int, token_interval_s: float) -> None:
+    """The stand-in's HTTP app and its channel, in one event loop as in a worker."""
     import uvicorn
-    uvicorn.run(stand_in_app(os.environ[TOKEN_ENV], token_interval_s), host="127.0.0.1", port=port, log_level="warning",
-                loop="auto", http="auto")  # uvloop and httptools where installed
+    token = os.environ[TOKEN_ENV]
+
+    async def serve() -> None:
+        channel = ChannelServer(token, stand_in_generate(token_interval_s))
+        app = stand_in_app(token, token_interval_s, await channel.serve("127.0.0.1", 0))
+        await uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")).serve()
+
+    import uvloop
+    uvloop.run(serve())  # the router's loop; uvicorn picks httptools where installed
 
 
 def bare_proxy_app(target: str):

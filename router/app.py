@@ -13,11 +13,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from pdserve.discovery.endpoints import Discovery, FileDiscovery, KubernetesDiscovery, StaticDiscovery
-from pdserve.http.internal_auth import bearer_headers
 from pdserve.http.slow_clients import client_left
 from pdserve.text.generation_defaults import GenerationDefaults
 from pdserve.text.tokenizer import PromptTokenizer
-from pdserve.wire.client import worker_session
+from pdserve.wire.client import WorkerSession
 from pdserve_router import openai_schema as schema
 from pdserve_router.admission import Admission, authenticate, read_body_limited
 from pdserve_router.config import RouterConfig
@@ -88,7 +87,7 @@ def build_router_app(config: RouterConfig, discovery: Discovery | None = None) -
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        http = worker_session(bearer_headers(config.internal_token))
+        http = WorkerSession(config.internal_token)
         worker_discovery = discovery if discovery is not None else make_discovery(config)
         index = PrefixIndex(pending_ttl_s=config.pending_assignment_ttl_s)
         pool = WorkerPool(worker_discovery, http, index, metrics, config.health_interval_s, config.health_timeout_s,

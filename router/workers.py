@@ -10,10 +10,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import aiohttp
 
 from pdserve.discovery.endpoints import Discovery
-from pdserve.wire.client import WorkerClient, WorkerUnavailable
+from pdserve.wire.client import WorkerClient, WorkerSession, WorkerUnavailable
 from pdserve.wire.protocol import LoadReport, RankLoad, WorkerHealth, WorkerInfo
 from pdserve_router.metrics import RouterMetrics
 from pdserve_router.policies import CandidateLoads
@@ -48,7 +47,7 @@ class WorkerPool:
     def __init__(
         self,
         discovery: Discovery,
-        http: aiohttp.ClientSession,
+        http: WorkerSession,
         index: PrefixIndex,
         metrics: RouterMetrics,
         health_interval_s: float,

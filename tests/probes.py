@@ -11,9 +11,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.http.internal_auth import TOKEN_ENV, bearer_headers
 
 
+def internal_token() -> str:
+    """The credential of this test run's clusters (tests/conftest.py sets it)."""
+    return os.environ[TOKEN_ENV]
+
+
 def internal_headers() -> dict[str, str]:
-    """The credential of this test run's clusters (tests/conftest.py sets it), for direct internal-API calls."""
-    return bearer_headers(os.environ[TOKEN_ENV])
+    """internal_token as the header of direct internal-API calls."""
+    return bearer_headers(internal_token())
 
 
 def eventually(check, timeout_s: float = 30.0, interval_s: float = 0.1) -> bool:

@@ -1,16 +1,16 @@
 """Client of a worker's internal API (pdserve/wire/protocol.py): typed msgspec JSON over one pooled aiohttp session
-(a client made for speed: a streamed generate costs about 0.3 ms of client time against httpx's 0.7 ms); used by the
-router and by decode workers calling prefill workers."""
+for the quick calls and KV events, and generate streams over the worker channel (pdserve/wire/channel.py); used by
+the router and by decode workers calling prefill workers."""
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import TypeVar
 
 import aiohttp
 import msgspec
-from yarl import URL
 
+from pdserve.wire.channel import GenerateRefused
+from pdserve.wire.channel_client import ChannelPool, WorkerChannel
 from pdserve.wire.protocol import (
     AbortRequest,
     GenerateRequest,
@@ -26,34 +26,51 @@ from pdserve.wire.protocol import (
 
 T = TypeVar("T")
 GENERATE_CONNECT_TIMEOUT_S = 5.0  # a busy worker may accept slowly; that is not the quick probe a health check is
-DRAIN_AFTER_FINISH_S = 1.0  # bound on reading the end of a finished stream (a worker ends it at once)
 # Idle connections are kept 30 s (below a worker's KEEP_ALIVE_S, pdserve/http/slow_clients.py): a request is never
 # sent on a connection the worker is closing that instant.
 POOL_KEEPALIVE_S = 30.0
 _JSON = {"content-type": "application/json"}
 # What a call fails with when the worker cannot be reached or answers badly (aiohttp's timeouts are TimeoutErrors).
 _TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError)
-_decode_event = msgspec.json.Decoder(TokenEvent).decode
 
 
-def worker_session(headers: dict[str, str] | None = None) -> aiohttp.ClientSession:
-    """The pooled session for calls to workers; open it in the loop that uses it (aiohttp binds it there)."""
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=POOL_KEEPALIVE_S)
-    # Workers set no cookies: a jar that keeps none spares filtering and storing them on every call.
-    return aiohttp.ClientSession(connector=connector, headers=headers, auto_decompress=False,
-                                 cookie_jar=aiohttp.DummyCookieJar())
+class WorkerSession:
+    """What a process keeps open to workers, used in the loop that opened it: a pooled aiohttp session for the quick
+    calls and KV events, and the channels generate streams run on; `token` is the deployment's internal credential."""
+
+    def __init__(self, token: str = "") -> None:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=POOL_KEEPALIVE_S)
+        # Workers set no cookies: a jar that keeps none spares filtering and storing them on every call.
+        self.http = aiohttp.ClientSession(
+            connector=connector, headers={"authorization": f"Bearer {token}"} if token else None,
+            auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
+        self.channels = ChannelPool(token)
+
+    @property
+    def closed(self) -> bool:
+        return self.http.closed
+
+    async def close(self) -> None:
+        await self.channels.close()
+        await self.http.close()
+
+    async def __aenter__(self) -> "WorkerSession":
+        return self
+
+    async def __aexit__(self, *_) -> None:
+        await self.close()
 
 
 class LazyWorkerSession:
-    """A worker_session opened on its first use, for parts built before the loop they run in has started."""
+    """A WorkerSession opened on its first use, for parts built before the loop they run in has started."""
 
-    def __init__(self, headers: dict[str, str] | None = None) -> None:
-        self._headers = headers
-        self._session: aiohttp.ClientSession | None = None
+    def __init__(self, token: str = "") -> None:
+        self._token = token
+        self._session: WorkerSession | None = None
 
-    def __call__(self) -> aiohttp.ClientSession:
+    def __call__(self) -> WorkerSession:
         if self._session is None:
-            self._session = worker_session(self._headers)
+            self._session = WorkerSession(self._token)
         return self._session
 
     async def close(self) -> None:
@@ -79,38 +96,24 @@ def _unreachable(where: str, error: Exception) -> WorkerUnavailable:
                              timed_out=isinstance(error, TimeoutError))
 
 
-async def _ndjson_reads(response: aiohttp.ClientResponse) -> AsyncIterator[list[bytes]]:
-    """The complete lines of each read, as they arrive."""
+async def _ndjson_lines(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The stream's lines, each as soon as it is complete."""
     buffer = b""
     async for chunk in response.content.iter_any():
         buffer += chunk
         *lines, buffer = buffer.split(b"\n")
-        if lines := [line for line in lines if line.strip()]:
-            yield lines
-    if buffer.strip():
-        yield [buffer]
-
-
-async def _ndjson_lines(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    async for lines in _ndjson_reads(response):
         for line in lines:
-            yield line
-
-
-async def _read_to_end(reads: AsyncIterator[list[bytes]]) -> None:
-    """Read what follows a stream's last event (its end, at once from a worker): a response read to its end gives
-    its connection back to the pool, one left unread is closed, and the next request pays a new TCP connect."""
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(DRAIN_AFTER_FINISH_S):
-            async for _ in reads:
-                pass
+            if line.strip():
+                yield line
+    if buffer.strip():
+        yield buffer
 
 
 class WorkerClient:
-    def __init__(self, url: str, http: aiohttp.ClientSession, request_timeout_s: float = 1.0) -> None:
+    def __init__(self, url: str, session: WorkerSession, request_timeout_s: float = 1.0) -> None:
         self.url = url.rstrip("/")
-        self._generate_url = URL(self.url + "/internal/v1/generate")  # parsed once, not on every request
-        self._http = http
+        self._http = session.http
+        self._channels = session.channels
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
         self._timeout_s = request_timeout_s
 
@@ -171,39 +174,57 @@ class WorkerClient:
 
     async def generate_batches(self, request: GenerateRequest,
                                first_token_timeout_s: float) -> AsyncIterator[list[TokenEvent]]:
-        """Stream the request's TokenEvents, in batches of what one read brought (a busy router forwards each batch
-        in one write). WorkerUnavailable before the first event means nothing was generated (safe to retry
-        elsewhere); a stream that ends without a finish_reason yields a final error event."""
-        connect_s = max(self._timeout_s, GENERATE_CONNECT_TIMEOUT_S)
-        # sock_read bounds each wait for the next bytes: the first token's, then every later one's.
-        timeout = aiohttp.ClientTimeout(sock_connect=connect_s, sock_read=first_token_timeout_s)
-        body = msgspec.json.encode(request)
+        """Stream the request's TokenEvents over the worker's channel, in batches of what arrived together (a busy
+        router forwards each batch in one write). WorkerUnavailable before the first event means nothing was
+        generated (safe to retry elsewhere); `first_token_timeout_s` bounds the wait for the first event and every
+        later one; a stream that breaks or ends without a finish_reason yields a final error event. Leaving the
+        iteration early (aclose) cancels the request on the worker."""
+        channel = await self._channel()
+        stream = channel.open_stream(request)
         got_event = False
         try:
-            async with self._http.post(self._generate_url, data=body, timeout=timeout,
-                                       headers=_JSON) as response:
-                if response.status != 200:
-                    detail = (await response.read())[:500].decode(errors="replace")
-                    raise WorkerUnavailable(f"{self.url} generate: HTTP {response.status}: {detail}", refused=True)
-                reads = _ndjson_reads(response)
-                async for lines in reads:
-                    batch = coalesce_events([_decode_event(line) for line in lines])
-                    got_event = True
-                    finished = next((i for i, event in enumerate(batch) if event.finish_reason is not None), None)
-                    if finished is not None:
-                        if not response.content.at_eof():  # a worker's end of stream usually came in the same read
-                            await _read_to_end(reads)
-                        yield batch[:finished + 1]
-                        return
-                    yield batch
-        except (*_TRANSPORT_ERRORS, msgspec.DecodeError) as error:
-            if not got_event:
-                raise _unreachable(f"{self.url} generate", error) from error
-            yield [TokenEvent(request.request_id, [], finish_reason="error", error=f"worker stream broke: {error!r}")]
-            return
+            while True:
+                try:
+                    events = await channel.next_events(stream, first_token_timeout_s)
+                except GenerateRefused as refused:
+                    raise WorkerUnavailable(f"{self.url} generate: HTTP {refused.status}: {refused.message}",
+                                            refused=True) from refused
+                except (ConnectionError, TimeoutError) as error:
+                    if not got_event:
+                        raise WorkerUnavailable(f"{self.url} generate: {error!r}",
+                                                timed_out=isinstance(error, TimeoutError)) from error
+                    yield [TokenEvent(request.request_id, [], finish_reason="error",
+                                      error=f"worker stream broke: {error!r}")]
+                    return
+                if not events:  # the worker ended the stream without finishing it
+                    break
+                batch = coalesce_events(events)
+                got_event = True
+                finished = next((i for i, event in enumerate(batch) if event.finish_reason is not None), None)
+                if finished is not None:
+                    yield batch[:finished + 1]
+                    return
+                yield batch
+        finally:
+            channel.close_stream(stream)
         if not got_event:
             raise WorkerUnavailable(f"{self.url} generate: empty stream")
         yield [TokenEvent(request.request_id, [], finish_reason="error", error="worker stream ended without finishing")]
+
+    async def _channel(self) -> WorkerChannel:
+        try:
+            return await self._channels.channel(self.url, self._channel_port,
+                                                max(self._timeout_s, GENERATE_CONNECT_TIMEOUT_S))
+        except OSError as error:  # not reached (refused: it never saw the request), or not in time
+            timed_out = isinstance(error, TimeoutError)
+            raise WorkerUnavailable(f"{self.url} generate: {error!r}", refused=not timed_out,
+                                    timed_out=timed_out) from error
+
+    async def _channel_port(self) -> int:
+        port = (await self.info()).channel_port
+        if not port:
+            raise ConnectionRefusedError(f"{self.url} serves no worker channel")
+        return port
 
     async def kv_events(self, rank: int, after: int) -> AsyncIterator[KVEventBatch]:
         """The rank's KV event batches from seq `after` + 1 (after=-1: a full dump first); runs until the stream ends."""

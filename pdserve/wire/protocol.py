@@ -1,10 +1,17 @@
-"""The worker's internal API (version 1): typed messages encoded as JSON with msgspec, never pickled.
+"""The worker's internal API (version 1): typed messages encoded with msgspec (JSON over HTTP, msgpack over the
+channel), never pickled.
 
-Endpoints (all on the worker's HTTP port; see docs/architecture.md):
+Generate streams run over the worker channel (pdserve/wire/channel.py): a long-lived TCP connection on the port
+`WorkerInfo.channel_port` names, authenticated by a first Hello frame carrying the internal credential, then many
+concurrent streams multiplexed by id: Generate(GenerateRequest) -> Events(TokenEvents)... until a finish_reason, or a
+Refusal with an HTTP status; Cancel stops one.
+
+Endpoints (on the worker's HTTP port; see docs/architecture.md):
   GET  /health                            -> WorkerHealth
   GET  /internal/v1/info                  -> WorkerInfo
   GET  /internal/v1/load                  -> LoadReport
-  POST /internal/v1/generate              GenerateRequest -> NDJSON stream of TokenEvent
+  POST /internal/v1/generate              GenerateRequest -> NDJSON stream of TokenEvent (the channel's generate, for
+                                          operators with curl; callers use the channel)
   POST /internal/v1/abort                 AbortRequest -> {}
   GET  /internal/v1/kv_events?rank=R&after=SEQ -> NDJSON stream of KVEventBatch (long-lived)
   POST /internal/v1/transfer/reservation  ReservationQuery -> Reservation (decode worker; 403 unless the token fits)
@@ -185,6 +192,7 @@ class WorkerInfo:
     model: str
     max_model_len: int
     ranks: list[RankInfo]
+    channel_port: int = 0  # where the worker serves its channel (generate streams, pdserve/wire/channel.py); 0: none
 
 
 @dataclass

@@ -20,6 +20,8 @@ class WorkerConfig:
                                            "(DP attention)")
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(8100, "port to listen on")
+    channel_port: int = setting(0, "port of the worker channel, where generate streams run (0: one the OS picks; "
+                                   "/internal/v1/info tells callers)")
     advertise_url: str | None = setting(None, "URL peers use to reach this worker (default http://HOST:PORT)")
     ray_address: str | None = setting(None, "join this Ray cluster instead of starting a local one")
     served_model_name: str = setting("", "model name reported to the router (default: the model directory's name)")

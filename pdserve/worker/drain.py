@@ -5,12 +5,14 @@ A second signal exits at once."""
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
+from typing import TypeVar
 
 import uvicorn
 from starlette.responses import StreamingResponse
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 # After the drain, connections that never end by themselves (KV-event subscriptions) are cut after this long.
 SHUTDOWN_AFTER_DRAIN_S = 2
 
@@ -39,6 +41,13 @@ class DrainGate:
             yield
         finally:
             self.in_flight -= 1
+
+    async def counting(self, stream: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
+        """`stream`, in flight from its first read until it ends or is closed."""
+        with self.counted():
+            async with contextlib.aclosing(stream):
+                async for item in stream:
+                    yield item
 
     def drained(self, timeout_s: float) -> bool:
         """Draining and either nothing is in flight or the grace period is over."""

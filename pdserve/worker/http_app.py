@@ -1,7 +1,9 @@
-"""The worker process's HTTP edge: the internal API (pdserve/wire/protocol.py) over the worker's rank actors."""
+"""The worker process's edge: the internal API (pdserve/wire/protocol.py) over the worker's rank actors, on its HTTP
+port and, for generate streams, on the worker channel (pdserve/wire/channel.py) served in the same event loop."""
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -11,33 +13,29 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
 
-from pdserve.disagg.guard import HandoffGuard, HandoffRefused
+from pdserve.disagg.guard import HandoffGuard
 from pdserve.http.internal_auth import InternalAuth
 from pdserve.http.slow_clients import client_left
+from pdserve.wire.channel import GenerateRefused
+from pdserve.wire.channel_server import ChannelServer
 from pdserve.wire.protocol import (
-    API_VERSION,
     AbortRequest,
     GenerateRequest,
     LoadReport,
     RankLoad,
     ReservationQuery,
-    TokenEvent,
     WorkerHealth,
     WorkerInfo,
-    coalesce_events,
 )
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.drain import CountedStreamingResponse, DrainGate
-from pdserve.worker.inprocess_rank import InProcessRank
+from pdserve.worker.generate_edge import GenerateEdge, Rank
 from pdserve.worker.metrics import WorkerMetrics
-from pdserve.worker.prefill_start import start_prefill
-from pdserve.worker.rank_actors import RankHandle
 
 log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 10.0
 HEALTH_INTERVAL_S = 1.0
 LOAD_TIMEOUT_S = 5.0  # the actor answers load from its snapshot: only a dead or restarting rank takes this long
-Rank = RankHandle | InProcessRank  # a rank actor, or a rank in this process (the in-process cluster)
 
 
 def rank_condition(load: RankLoad | None, stuck_after_s: float) -> str:
@@ -100,11 +98,18 @@ def build_worker_app(cfg: WorkerConfig, ranks: RankSet, info: WorkerInfo, guard:
     for rank, seconds in enumerate(ready_s or []):
         metrics.start_seconds.labels(info.model, cfg.role, str(rank)).set(seconds)
 
+    edge = GenerateEdge(cfg.role, lambda: ranks.handles, guard, gate)
+    channel = ChannelServer(cfg.internal_token, edge.start_counted)
+    served_info = info  # channel_port 0 until the channel listens
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        nonlocal served_info
+        served_info = dataclasses.replace(info, channel_port=await channel.serve(cfg.host, cfg.channel_port))
         watcher = asyncio.create_task(ranks.watch())
         yield
         watcher.cancel()
+        await channel.close()
         await guard.close()
 
     app = FastAPI(title="pdserve worker", lifespan=lifespan)
@@ -122,7 +127,7 @@ def build_worker_app(cfg: WorkerConfig, ranks: RankSet, info: WorkerInfo, guard:
 
     @app.get("/internal/v1/info")
     async def worker_info() -> Response:
-        return Response(msgspec.json.encode(info), media_type="application/json")
+        return Response(msgspec.json.encode(served_info), media_type="application/json")
 
     @app.get("/internal/v1/load")
     async def load() -> Response:
@@ -130,40 +135,21 @@ def build_worker_app(cfg: WorkerConfig, ranks: RankSet, info: WorkerInfo, guard:
         report = LoadReport([load for load in loads if not isinstance(load, BaseException)])
         return Response(msgspec.json.encode(report), media_type="application/json")
 
+    # Callers stream generates over the worker channel; this route is the same generate for an operator with curl.
     @app.post("/internal/v1/generate")
     async def generate(request: Request) -> Response:
         try:
             body = msgspec.json.decode(await request.body(), type=GenerateRequest)
         except msgspec.DecodeError as error:  # ValidationError is a DecodeError
             return _error(400, f"bad generate request: {error}")
-        if body.api_version != API_VERSION:
-            return _error(400, f"api_version {body.api_version} not supported (this worker speaks {API_VERSION})")
-        handle = rank_handle(body.rank)
-        if handle is None:
-            return _error(400, f"rank {body.rank} does not exist (this worker has {len(ranks.handles)})")
-        if gate.draining:
-            return _error(503, "worker is draining")
-        if cfg.role == "prefill" and body.plan.kind == "decode" or cfg.role == "decode" and body.plan.kind == "prefill":
-            return _error(400, f"a {cfg.role} worker does not take {body.plan.kind} plans")
         try:
-            if body.plan.kind == "prefill":  # the rank computes while the reservation is confirmed
-                with gate.counted():  # a drain waits for it; the response counts it afterwards (no await between)
-                    stream = await start_prefill(guard, body, handle.generate)
-            else:
-                if body.plan.kind == "decode":
-                    guard.check_decode_plan(body)
-                stream = handle.generate(body)
-        except HandoffRefused as refused:
-            log.warning("refused a %s plan for %r: %s", body.plan.kind, body.request_id, refused)
-            return _error(refused.status, str(refused))
+            stream = await edge.start(body)
+        except GenerateRefused as refused:
+            return _error(refused.status, refused.message)
 
         async def lines() -> AsyncIterator[bytes]:
-            try:
-                async for events in stream:  # what has come goes out in one write
-                    yield b"".join(msgspec.json.encode(event) + b"\n" for event in coalesce_events(events))
-            except Exception as error:  # noqa: BLE001 - a dead rank ends the stream with an error event
-                event = TokenEvent(body.request_id, [], finish_reason="error", error=f"rank {body.rank} failed: {error}")
-                yield msgspec.json.encode(event) + b"\n"
+            async for events in stream:
+                yield b"".join(msgspec.json.encode(event) + b"\n" for event in events)
 
         return CountedStreamingResponse(lines(), gate, media_type="application/x-ndjson")
 

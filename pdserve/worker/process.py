@@ -10,7 +10,6 @@ import uvicorn
 
 from pdserve.disagg.guard import HandoffGuard
 from pdserve.discovery.endpoints import Discovery, FileDiscovery, KubernetesDiscovery, StaticDiscovery
-from pdserve.http.internal_auth import bearer_headers
 from pdserve.http.slow_clients import KEEP_ALIVE_S, SlowClientLimits, bounded_http
 from pdserve.model.config import ModelConfig
 from pdserve.wire.client import LazyWorkerSession, WorkerClient
@@ -82,7 +81,7 @@ def handoff_guard(cfg: WorkerConfig) -> HandoffGuard:
         peers = FileDiscovery(cfg.peers_file)
     else:
         peers = StaticDiscovery(cfg.peers)
-    http = LazyWorkerSession(bearer_headers(cfg.internal_token))
+    http = LazyWorkerSession(cfg.internal_token)
 
     async def confirm_at(url: str, query: ReservationQuery) -> Reservation | None:
         return await WorkerClient(url, http(), cfg.prefill_timeout_s + CONFIRM_MARGIN_S).confirm_reservation(query)

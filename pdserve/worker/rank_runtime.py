@@ -38,7 +38,6 @@ from pdserve.engine.engine import Engine, EngineStats, NoCapacityError, RequestO
 from pdserve.engine.lockstep import Lockstep
 from pdserve.engine.simulated import SimulatedRunner
 from pdserve.engine.step_trace import StepTrace, rank_trace_path
-from pdserve.http.internal_auth import bearer_headers
 from pdserve.model.config import ModelConfig
 from pdserve.ops.moe import ExpertRange
 from pdserve.ops.moe_ep import ExpertParallelMoE, expert_owner_range
@@ -227,7 +226,7 @@ class RankRuntime:
         if isinstance(runner, SimulatedRunner):
             self.backend = SimulatedLink(self.backend, runner.bytes_per_page, runner.seconds_per_page_written)
         self.counters = HandoffCounters()
-        self._http = LazyWorkerSession(bearer_headers(cfg.internal_token))
+        self._http = LazyWorkerSession(cfg.internal_token)
         port = self._port = _EnginePort(self)
         self.sender = Sender(cfg.engine.page_size, cfg.transfer_timeout_s, self.backend, port,
                              lambda event: self._emit([event]), self.counters)

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 from load import rank_actor_pids_of
-from probes import health_status, internal_headers, wait_for
+from probes import health_status, internal_token, wait_for
 
 from pdserve.http.ports import free_port
-from pdserve.wire.client import WorkerClient, worker_session
+from pdserve.wire.client import WorkerClient, WorkerSession
 from pdserve.wire.protocol import GenerateRequest, TokenEvent
 from pdserve.wire.sampling import SamplingParams
 
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 async def generate(url: str, rank: int, sampling: SamplingParams, request_id: str) -> list[TokenEvent]:
-    async with worker_session(internal_headers()) as http:
+    async with WorkerSession(internal_token()) as http:
         request = GenerateRequest(request_id, rank, PROMPT, sampling)
         stream = WorkerClient(url, http, 10.0).generate(request, REQUEST_TIMEOUT_S)
         return await asyncio.wait_for(_collect(stream), REQUEST_TIMEOUT_S)

@@ -124,16 +124,16 @@ def test_a_caller_that_hangs_up_mid_stream_stops_its_request_on_the_rank(cluster
     its request's stream must still stop that request on the rank, not leave it decoding for no one."""
     import asyncio
 
-    from probes import internal_headers
+    from probes import internal_token
 
-    from pdserve.wire.client import WorkerClient, worker_session
+    from pdserve.wire.client import WorkerClient, WorkerSession
     from pdserve.wire.protocol import GenerateRequest
 
     _, decode = cluster.workers
 
     async def read_some_then_leave() -> tuple[list, float]:
         request = GenerateRequest("hangs-up", 0, PROMPT, LONG, Plan("both"))
-        async with worker_session(internal_headers()) as http:
+        async with WorkerSession(internal_token()) as http:
             events = WorkerClient(decode.url, http).generate(request, TIMEOUT_S)
             got = [await anext(events) for _ in range(20)]
             started = time.monotonic()

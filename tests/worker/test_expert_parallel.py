@@ -11,12 +11,12 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from probes import health_status, internal_headers, wait_for
+from probes import health_status, internal_token, wait_for
 
 from pdserve.http.ports import free_port
 from pdserve.engine.llm import LLM
 from pdserve.model.config import ModelConfig
-from pdserve.wire.client import WorkerClient, worker_session
+from pdserve.wire.client import WorkerClient, WorkerSession
 from pdserve.wire.protocol import GenerateRequest, TokenEvent
 from pdserve.wire.sampling import SamplingParams
 
@@ -67,7 +67,7 @@ def expert_pairs(url: str) -> dict[int, float]:
 
 async def generate(url: str, rank: int, prompt: list[int], request_id: str,
                    sampling: SamplingParams = SAMPLING) -> list[TokenEvent]:
-    async with worker_session(internal_headers()) as http:
+    async with WorkerSession(internal_token()) as http:
         request = GenerateRequest(request_id, rank, prompt, sampling)
         return [event async for event in WorkerClient(url, http, 10.0).generate(request, REQUEST_TIMEOUT_S)]
 

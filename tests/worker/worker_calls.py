@@ -3,9 +3,9 @@
 import asyncio
 import itertools
 
-from probes import internal_headers
+from probes import internal_token
 
-from pdserve.wire.client import WorkerClient, worker_session
+from pdserve.wire.client import WorkerClient, WorkerSession
 from pdserve.wire.protocol import GenerateRequest, LoadReport, Plan, PrefillSource, TokenEvent
 from pdserve.wire.sampling import SamplingParams
 
@@ -18,7 +18,7 @@ def run(coro):
 
 
 async def _generate(url: str, request: GenerateRequest) -> list[TokenEvent]:
-    async with worker_session(internal_headers()) as http:
+    async with WorkerSession(internal_token()) as http:
         return [event async for event in WorkerClient(url, http).generate(request, TIMEOUT_S)]
 
 
@@ -38,7 +38,7 @@ def token_ids(events: list[TokenEvent]) -> list[int]:
 
 def load(url: str) -> LoadReport:
     async def fetch():
-        async with worker_session(internal_headers()) as http:
+        async with WorkerSession(internal_token()) as http:
             return await WorkerClient(url, http, request_timeout_s=10.0).load()
 
     return run(fetch())
