@@ -40,6 +40,7 @@ pdserve.io/pool: {{ .name }}
 - worker
 - --host=0.0.0.0
 - --port={{ .root.Values.worker.port }}
+- --channel-port={{ .root.Values.worker.channelPort }}
 - --model=$(PDSERVE_MODEL_DIR)
 - --role={{ .name }}
 - --ranks={{ .pool.ranks }}
@@ -127,6 +128,9 @@ containers:
     ports:
       - name: http
         containerPort: {{ $root.Values.worker.port }}
+        protocol: TCP
+      - name: channel
+        containerPort: {{ $root.Values.worker.channelPort }}
         protocol: TCP
       {{- if $multiNode }}
       - name: ray

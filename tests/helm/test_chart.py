@@ -284,6 +284,7 @@ def test_helm_lint_strict_finds_no_warnings_or_errors() -> None:
 # Flags the chart sets on purpose to other values than the code's defaults, and why.
 CHART_CHOSEN = {
     "--host": "listen on the pod's interfaces", "--port": "the chart's port", "--model": "the mounted model",
+    "--channel-port": "a fixed port the NetworkPolicy names",
     "--discovery": "pods through Kubernetes", "--k8s-namespace": "the release's", "--k8s-label-selector": "the release's",
     "--drain-timeout-s": "bounded by the pod's grace period", "--role": "the pool's", "--ranks": "the pool's",
     "--advertise-url": "the pod's IP", "--page-size": "64-token pages on GPUs: fewer, larger KV transfer descriptors",

@@ -125,14 +125,16 @@ def test_every_router_and_worker_gets_the_internal_credential_from_a_secret(valu
             assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": secret_name, "key": "ray-token"}
 
 
-def test_network_policies_fence_the_internal_api_the_kv_ports_and_ray() -> None:
+def test_network_policies_fence_the_internal_api_the_channel_the_kv_ports_and_ray() -> None:
     objects = render_objects(VALUE_SETS["multi-node-rdma"])
     workers = named(objects, "NetworkPolicy", "pdserve-workers")
     assert workers["spec"]["policyTypes"] == ["Ingress"]
-    http_rule, transfer_rule = workers["spec"]["ingress"]
+    http_rule, channel_rule, transfer_rule = workers["spec"]["ingress"]
     assert http_rule["ports"] == [{"port": 8100, "protocol": "TCP"}]
     release_pods = http_rule["from"][0]["podSelector"]["matchLabels"]
     assert release_pods == {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": "pdserve"}
+    assert channel_rule == {"ports": [{"port": 8101, "protocol": "TCP"}],
+                            "from": [{"podSelector": {"matchLabels": release_pods}}]}
     assert http_rule["from"][1]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
     assert transfer_rule["ports"] == [{"port": 40000, "endPort": 40999, "protocol": "TCP"}]
     assert transfer_rule["from"][0]["podSelector"]["matchExpressions"][0]["values"] == ["worker", "worker-follower"]
