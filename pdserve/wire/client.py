@@ -112,15 +112,14 @@ async def _ndjson_lines(response: aiohttp.ClientResponse) -> AsyncIterator[bytes
 class WorkerClient:
     def __init__(self, url: str, session: WorkerSession, request_timeout_s: float = 1.0) -> None:
         self.url = url.rstrip("/")
-        self._http = session.http
-        self._channels = session.channels
+        self._session = session
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
         self._timeout_s = request_timeout_s
 
     async def _call(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
         """One quick call within the request timeout: its status and whole body."""
         try:
-            async with self._http.request(method, self.url + path, data=body, timeout=self._timeout,
+            async with self._session.http.request(method, self.url + path, data=body, timeout=self._timeout,
                                           headers=_JSON if body is not None else None) as response:
                 return response.status, await response.read()
         except _TRANSPORT_ERRORS as error:
@@ -213,7 +212,7 @@ class WorkerClient:
 
     async def _channel(self) -> WorkerChannel:
         try:
-            return await self._channels.channel(self.url, self._channel_port,
+            return await self._session.channels.channel(self.url, self._channel_port,
                                                 max(self._timeout_s, GENERATE_CONNECT_TIMEOUT_S))
         except OSError as error:  # not reached (refused: it never saw the request), or not in time
             timed_out = isinstance(error, TimeoutError)
@@ -232,7 +231,8 @@ class WorkerClient:
         decoder = msgspec.json.Decoder(KVEventBatch)
         path = "/internal/v1/kv_events"
         try:
-            async with self._http.get(self.url + path, params={"rank": rank, "after": after}, timeout=timeout) as response:
+            async with self._session.http.get(self.url + path, params={"rank": rank, "after": after},
+                                              timeout=timeout) as response:
                 if response.status != 200:
                     raise WorkerUnavailable(f"{self.url}{path}: HTTP {response.status}")
                 async for line in _ndjson_lines(response):
