@@ -257,8 +257,7 @@ ATTACKS = {
 @pytest.mark.parametrize("attack", list(ATTACKS))
 def test_an_attack_is_closed_unserved_and_honest_callers_are_still_served(attack: str,
                                                                           monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(channel_module, "HELLO_TIMEOUT_S", 0.3)
-    monkeypatch.setattr("pdserve.wire.channel_server.HELLO_TIMEOUT_S", 0.3)
+    monkeypatch.setattr("pdserve.wire.channel_server.HELLO_TIMEOUT_S", 0.3)  # "no hello" waits this long
 
     async def scenario():
         async with StandIn(counted) as worker, WorkerSession(TOKEN) as session:
