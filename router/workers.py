@@ -146,6 +146,7 @@ class WorkerPool:
             self._metrics.note_worker(url)
         for url in removed:
             worker = self.workers.pop(url)
+            worker.client.retire_channel()
             self._stop_kv_subscriptions(worker)
             if worker.info is not None:
                 for rank in worker.info.ranks:

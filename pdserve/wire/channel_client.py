@@ -4,6 +4,7 @@ after a break; a break fails only the streams that were on it."""
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import Awaitable, Callable
 
 from yarl import URL
@@ -23,6 +24,9 @@ from pdserve.wire.channel import (
 from pdserve.wire.protocol import GenerateRequest, TokenEvent
 
 CLOSE_TIMEOUT_S = 5.0
+# An idle channel to a worker whose host vanished (no FIN, no RST) is found dead by TCP keepalive within about
+# KEEPALIVE_IDLE_S + KEEPALIVE_PROBES * KEEPALIVE_INTERVAL_S, not by the next generate's timeout.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 30, 10, 3
 
 
 class _Stream:
@@ -47,7 +51,17 @@ class WorkerChannel(FramedProtocol):
         self._streams: dict[int, _Stream] = {}
         self._last_id = 0
         self._broken: str | None = None
+        self._retired = False
         self.closed = self._loop.create_future()
+
+    def retire(self) -> None:
+        """Take no new streams; close once the open ones have ended (at once if none is open)."""
+        self._retired = True
+        self._close_if_idle()
+
+    def _close_if_idle(self) -> None:
+        if self._retired and not self._streams and self.open:
+            self.transport.close()  # type: ignore[union-attr]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._broken = self._broken or f"the worker channel closed ({exc!r})"
@@ -109,6 +123,7 @@ class WorkerChannel(FramedProtocol):
         stream = self._streams.pop(stream_id, None)
         if stream is not None and stream.outcome is None and self.open:
             self.send(Cancel(stream_id))
+        self._close_if_idle()  # an unsent cancel goes with it: a worker ends every stream of a closed connection
 
 
 class ChannelPool:
@@ -118,6 +133,7 @@ class ChannelPool:
         self._token = token
         self._channels: dict[str, WorkerChannel] = {}
         self._opening: dict[str, asyncio.Task[WorkerChannel]] = {}
+        self._retired: set[WorkerChannel] = set()  # open until their last streams end
 
     async def channel(self, url: str, port_of: Callable[[], Awaitable[int]], connect_timeout_s: float
                       ) -> WorkerChannel:
@@ -132,6 +148,15 @@ class ChannelPool:
             opening.add_done_callback(lambda task: self._opened(url, task))
         return await asyncio.shield(opening)
 
+    def retire(self, url: str) -> None:
+        """The worker at `url` left the pool: its channel closes once the streams on it have ended (a worker being
+        drained finishes them); a later generate to `url` opens a new one."""
+        channel = self._channels.pop(url, None)
+        if channel is not None:
+            self._retired.add(channel)
+            channel.closed.add_done_callback(lambda _: self._retired.discard(channel))
+            channel.retire()
+
     def _opened(self, url: str, task: asyncio.Task) -> None:
         self._opening.pop(url, None)
         if not task.cancelled():
@@ -140,7 +165,8 @@ class ChannelPool:
     async def _open(self, url: str, port_of: Callable[[], Awaitable[int]], connect_timeout_s: float) -> WorkerChannel:
         async with asyncio.timeout(connect_timeout_s):
             port = await port_of()
-            _, channel = await asyncio.get_running_loop().create_connection(WorkerChannel, URL(url).host, port)
+            transport, channel = await asyncio.get_running_loop().create_connection(WorkerChannel, URL(url).host, port)
+        _keep_alive(transport.get_extra_info("socket"))
         channel.send(Hello(self._token))
         self._channels[url] = channel
         return channel
@@ -151,10 +177,18 @@ class ChannelPool:
         for task in opening:
             task.cancel()
         await asyncio.gather(*opening, return_exceptions=True)
-        channels, self._channels = list(self._channels.values()), {}
+        channels, self._channels = [*self._channels.values(), *self._retired], {}
         for channel in channels:
             if channel.transport is not None:
                 channel.transport.close()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(CLOSE_TIMEOUT_S):  # connection_lost follows a close at once
                 await asyncio.gather(*(channel.closed for channel in channels))
+
+
+def _keep_alive(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_KEEPIDLE"):  # Linux; elsewhere the system's keepalive timings apply
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)

@@ -35,24 +35,30 @@ _TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError)
 
 
 class WorkerSession:
-    """What a process keeps open to workers, used in the loop that opened it: a pooled aiohttp session for the quick
-    calls and KV events, and the channels generate streams run on; `token` is the deployment's internal credential."""
+    """What a process keeps open to workers: a pooled aiohttp session for the quick calls and KV events, and the
+    channels generate streams run on; `token` is the deployment's internal credential. Both open on first use, in
+    the loop that uses them (aiohttp binds its session there), so a session can be built before that loop runs."""
 
     def __init__(self, token: str = "") -> None:
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=POOL_KEEPALIVE_S)
-        # Workers set no cookies: a jar that keeps none spares filtering and storing them on every call.
-        self.http = aiohttp.ClientSession(
-            connector=connector, headers={"authorization": f"Bearer {token}"} if token else None,
-            auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
+        self._headers = {"authorization": f"Bearer {token}"} if token else None
+        self._http: aiohttp.ClientSession | None = None
         self.channels = ChannelPool(token)
+        self.closed = False
 
     @property
-    def closed(self) -> bool:
-        return self.http.closed
+    def http(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=POOL_KEEPALIVE_S)
+            # Workers set no cookies: a jar that keeps none spares filtering and storing them on every call.
+            self._http = aiohttp.ClientSession(connector=connector, headers=self._headers, auto_decompress=False,
+                                               cookie_jar=aiohttp.DummyCookieJar())
+        return self._http
 
     async def close(self) -> None:
+        self.closed = True
         await self.channels.close()
-        await self.http.close()
+        if self._http is not None:
+            await self._http.close()
 
     async def __aenter__(self) -> "WorkerSession":
         return self
@@ -209,6 +215,10 @@ class WorkerClient:
         if not got_event:
             raise WorkerUnavailable(f"{self.url} generate: empty stream")
         yield [TokenEvent(request.request_id, [], finish_reason="error", error="worker stream ended without finishing")]
+
+    def retire_channel(self) -> None:
+        """The worker left the pool: its channel closes once the streams on it have ended."""
+        self._session.channels.retire(self.url)
 
     async def _channel(self) -> WorkerChannel:
         try:

@@ -4,6 +4,7 @@ no worker is contacted (routing tests need the pool's snapshots, not the network
 from pathlib import Path
 
 from pdserve.discovery.endpoints import FileDiscovery, write_endpoints_file
+from pdserve.wire.client import WorkerSession
 from pdserve.wire.protocol import LoadReport, RankInfo, RankLoad, WorkerHealth, WorkerInfo
 from pdserve_router.metrics import RouterMetrics
 from pdserve_router.prefix_index import PrefixIndex
@@ -12,7 +13,7 @@ from pdserve_router.workers import WorkerPool
 
 def pool_of(path: Path, urls: list[str]) -> WorkerPool:
     write_endpoints_file(str(path), urls)
-    pool = WorkerPool(FileDiscovery(str(path)), None, PrefixIndex(), RouterMetrics("tiny", "prefix"),
+    pool = WorkerPool(FileDiscovery(str(path)), WorkerSession(), PrefixIndex(), RouterMetrics("tiny", "prefix"),
                       health_interval_s=1.0, health_timeout_s=1.0, eject_after_failures=3,
                       eject_unresponsive_after_s=10.0)
     pool._sync_endpoints()

@@ -2,6 +2,7 @@
 minimal info endpoint that advertises its port), and raw connections that attack it as an outsider would."""
 
 import asyncio
+import socket
 import struct
 from collections.abc import AsyncGenerator, Awaitable, Callable
 
@@ -213,6 +214,36 @@ def test_silence_between_events_ends_the_stream_with_an_error_and_cancels_it():
     events = run(scenario)
     assert events[0].token_ids == [7]
     assert events[-1].finish_reason == "error" and "worker stream broke" in events[-1].error
+
+
+def test_a_retired_worker_keeps_its_channel_until_its_last_stream_ends():
+    """A worker that left discovery (a pod being drained) finishes the streams it has; its channel closes after them."""
+    async def scenario():
+        async with StandIn(counted) as worker, WorkerSession(TOKEN) as session:
+            client = WorkerClient(worker.url, session)
+            in_flight = client.generate(request("s-1"), TIMEOUT_S)
+            first = await anext(in_flight)
+            client.retire_channel()
+            rest = [event async for event in in_flight]
+            await wait_until(lambda: not worker.channel.connections)
+            again = await tokens_of(client, request("s-2"))  # back in the pool: a new channel
+            client.retire_channel()  # nothing in flight: closed at once
+            await wait_until(lambda: not worker.channel.connections)
+            return [first, *rest], again
+
+    streamed, again = run(scenario)
+    assert [t for event in streamed for t in event.token_ids] == [100, 101, 102, 103, 104]
+    assert streamed[-1].finish_reason == "length" and again[-1].finish_reason == "length"
+
+
+def test_channels_probe_idle_workers_with_tcp_keepalive():
+    async def scenario():
+        async with StandIn(counted) as worker, WorkerSession(TOKEN) as session:
+            await tokens_of(WorkerClient(worker.url, session), request("s-1"))
+            channel = await session.channels.channel(worker.url, None, TIMEOUT_S)  # open: the port is not asked for
+            return channel.transport.get_extra_info("socket").getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+
+    assert run(scenario) == 1
 
 
 def test_closing_the_session_closes_its_channels():
