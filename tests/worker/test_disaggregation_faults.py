@@ -147,3 +147,16 @@ def test_a_caller_that_hangs_up_mid_stream_stops_its_request_on_the_rank(cluster
     left_s = (LONG.max_tokens - len(got)) * per_event_s  # how long the request would still run if not stopped
     assert eventually(lambda: pages_at_rest(decode.url), timeout_s=min(5.0, left_s / 2)), \
         f"the request still holds pages after its caller left (it had ~{left_s:.0f} s to run)"
+
+
+def test_a_worker_refuses_a_plan_of_the_other_role_over_its_channel(cluster):
+    """The channel answers a wrong plan as the HTTP route does: refused with 400 before anything runs (a router may
+    then try elsewhere); the worker goes on serving."""
+    from pdserve.wire.client import WorkerUnavailable
+
+    prefill, decode = cluster.workers
+    for url, plan in ((prefill.url, Plan("decode")), (decode.url, Plan("prefill"))):
+        with pytest.raises(WorkerUnavailable) as refused:
+            generate(url, PROMPT, GREEDY, plan)
+        assert refused.value.refused and "HTTP 400" in str(refused.value) and "does not take" in str(refused.value)
+    assert len(token_ids(disaggregated(decode.url, prefill.url, PROMPT, GREEDY))) == GREEDY.max_tokens
