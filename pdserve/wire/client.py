@@ -67,25 +67,6 @@ class WorkerSession:
         await self.close()
 
 
-class LazyWorkerSession:
-    """A WorkerSession opened on its first use, for parts built before the loop they run in has started."""
-
-    def __init__(self, token: str = "") -> None:
-        self._token = token
-        self._session: WorkerSession | None = None
-
-    def __call__(self) -> WorkerSession:
-        if self._session is None:
-            self._session = WorkerSession(self._token)
-        return self._session
-
-    async def close(self) -> None:
-        """Close the session if it was opened (in the loop it was opened in); a later call opens a new one."""
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
-
-
 class WorkerUnavailable(Exception):
     """The worker could not be reached or answered with an error before streaming anything. `refused` is True when
     the worker certainly never took the request (no connection, or an error status): it will not act on it later.
@@ -121,18 +102,20 @@ class WorkerClient:
         self._session = session
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
         self._timeout_s = request_timeout_s
+        self._connect_timeout_s = max(request_timeout_s, GENERATE_CONNECT_TIMEOUT_S)
 
-    async def _call(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
-        """One quick call within the request timeout: its status and whole body."""
+    async def _call(self, method: str, path: str, body: bytes | None = None,
+                    timeout: aiohttp.ClientTimeout | None = None) -> tuple[int, bytes]:
+        """One quick call within the request timeout (or `timeout`): its status and whole body."""
         try:
-            async with self._session.http.request(method, self.url + path, data=body, timeout=self._timeout,
+            async with self._session.http.request(method, self.url + path, data=body, timeout=timeout or self._timeout,
                                           headers=_JSON if body is not None else None) as response:
                 return response.status, await response.read()
         except _TRANSPORT_ERRORS as error:
             raise _unreachable(f"{self.url}{path}", error) from error
 
-    async def _get(self, path: str, message_type: type[T]) -> T:
-        status, content = await self._call("GET", path)
+    async def _get(self, path: str, message_type: type[T], timeout: aiohttp.ClientTimeout | None = None) -> T:
+        status, content = await self._call("GET", path, timeout=timeout)
         if status != 200:
             raise WorkerUnavailable(f"{self.url}{path}: HTTP {status}")
         return msgspec.json.decode(content, type=message_type)
@@ -222,15 +205,16 @@ class WorkerClient:
 
     async def _channel(self) -> WorkerChannel:
         try:
-            return await self._session.channels.channel(self.url, self._channel_port,
-                                                max(self._timeout_s, GENERATE_CONNECT_TIMEOUT_S))
+            return await self._session.channels.channel(self.url, self._channel_port, self._connect_timeout_s)
         except OSError as error:  # not reached (refused: it never saw the request), or not in time
             timed_out = isinstance(error, TimeoutError)
             raise WorkerUnavailable(f"{self.url} generate: {error!r}", refused=not timed_out,
                                     timed_out=timed_out) from error
 
     async def _channel_port(self) -> int:
-        port = (await self.info()).channel_port
+        # Asked as a channel opens: bounded by the generate's connect timeout, not the quick calls' one.
+        timeout = aiohttp.ClientTimeout(total=self._connect_timeout_s)
+        port = (await self._get("/internal/v1/info", WorkerInfo, timeout)).channel_port
         if not port:
             raise ConnectionRefusedError(f"{self.url} serves no worker channel")
         return port

@@ -12,7 +12,7 @@ from pdserve.disagg.guard import HandoffGuard
 from pdserve.discovery.endpoints import Discovery, FileDiscovery, KubernetesDiscovery, StaticDiscovery
 from pdserve.http.slow_clients import KEEP_ALIVE_S, SlowClientLimits, bounded_http
 from pdserve.model.config import ModelConfig
-from pdserve.wire.client import LazyWorkerSession, WorkerClient
+from pdserve.wire.client import WorkerClient, WorkerSession
 from pdserve.wire.protocol import API_VERSION, RankInfo, Reservation, ReservationQuery, WorkerInfo
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.drain import SHUTDOWN_AFTER_DRAIN_S, DrainGate, DrainingServer
@@ -81,10 +81,10 @@ def handoff_guard(cfg: WorkerConfig) -> HandoffGuard:
         peers = FileDiscovery(cfg.peers_file)
     else:
         peers = StaticDiscovery(cfg.peers)
-    http = LazyWorkerSession(cfg.internal_token)
+    http = WorkerSession(cfg.internal_token)
 
     async def confirm_at(url: str, query: ReservationQuery) -> Reservation | None:
-        return await WorkerClient(url, http(), cfg.prefill_timeout_s + CONFIRM_MARGIN_S).confirm_reservation(query)
+        return await WorkerClient(url, http, cfg.prefill_timeout_s + CONFIRM_MARGIN_S).confirm_reservation(query)
 
     return HandoffGuard(peers, confirm_at, close=http.close)
 

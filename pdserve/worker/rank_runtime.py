@@ -44,7 +44,7 @@ from pdserve.ops.moe_ep import ExpertParallelMoE, expert_owner_range
 from pdserve.transfer.backend import OnNotification, TransferBackend, open_nixl_backend
 from pdserve.transfer.errors import TransferError
 from pdserve.transfer.simulated_link import SimulatedLink
-from pdserve.wire.client import LazyWorkerSession, WorkerClient
+from pdserve.wire.client import WorkerClient, WorkerSession
 from pdserve.wire.kv_events import KVEvent
 from pdserve.wire.protocol import (
     GenerateRequest,
@@ -226,14 +226,14 @@ class RankRuntime:
         if isinstance(runner, SimulatedRunner):
             self.backend = SimulatedLink(self.backend, runner.bytes_per_page, runner.seconds_per_page_written)
         self.counters = HandoffCounters()
-        self._http = LazyWorkerSession(cfg.internal_token)
+        self._http = WorkerSession(cfg.internal_token)
         port = self._port = _EnginePort(self)
         self.sender = Sender(cfg.engine.page_size, cfg.transfer_timeout_s, self.backend, port,
                              lambda event: self._emit([event]), self.counters)
         self.receiver = Receiver(
             ReceiverConfig(cfg.rank, cfg.worker_url, cfg.prefill_timeout_s, cfg.transfer_timeout_s, cfg.clock_margin_s),
             self.backend, port,
-            prefill_link or (lambda source: WorkerClient(source.url, self._http())), self.counters)
+            prefill_link or (lambda source: WorkerClient(source.url, self._http)), self.counters)
         self._streams: dict[str, asyncio.Queue[TokenEvent]] = {}
         self._joining: dict[str, asyncio.Task] = {}  # hand-offs whose first token went out before the request joined
         self.steps = StepLoop(self.engine, cfg.rank, self.lockstep, self._route_outputs, self._fail_everything)

@@ -28,6 +28,7 @@ class StandIn:
 
     def __init__(self, events: Callable[[GenerateRequest], AsyncGenerator[list[TokenEvent], None]]) -> None:
         self.events = events
+        self.info_delay_s = 0.0  # how long its info takes to answer (a busy worker)
         self.started: list[str] = []
         self.closed: set[str] = set()
         self.channel = ChannelServer(TOKEN, self.start)
@@ -53,6 +54,7 @@ class StandIn:
         info = msgspec.json.encode(WorkerInfo(API_VERSION, "both", "m", 4096, [RankInfo(0, 16, 64, "a")],
                                               self.channel_port))
         async def answer_info(_: web.Request) -> web.Response:
+            await asyncio.sleep(self.info_delay_s)
             return web.Response(body=info, content_type="application/json")
 
         app = web.Application()
@@ -179,6 +181,17 @@ def test_a_broken_connection_fails_its_streams_and_the_next_generate_reconnects(
     assert all(event.token_ids == [7] for event in firsts)
     assert all(e.finish_reason == "error" and "worker stream broke" in e.error for e in lasts)
     assert again[-1].finish_reason == "length"
+
+
+def test_a_busy_worker_slower_than_the_quick_calls_timeout_still_gets_its_channel_opened():
+    """The channel's port is asked for under the generate's connect timeout: a worker whose info takes longer than
+    the quick calls' timeout (a busy CPU) is not unreachable (a decode worker's prefill link once failed so)."""
+    async def scenario():
+        async with StandIn(counted) as worker, WorkerSession(TOKEN) as session:
+            worker.info_delay_s = 0.5
+            return await tokens_of(WorkerClient(worker.url, session, request_timeout_s=0.1), request("s-1"))
+
+    assert run(scenario)[-1].finish_reason == "length"
 
 
 def test_a_worker_that_cannot_be_reached_is_unavailable_refused():
