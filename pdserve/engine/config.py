@@ -58,6 +58,10 @@ class EngineConfig:
                 "under CUDA graphs (a step where some rank's pairs overflow C runs again with split sizes); splits: "
                 "split sizes exchanged first (eager steps). Prefill steps always exchange split sizes. auto: fixed "
                 "where decode graphs run")
+    expert_peer_writes: Literal["auto", "on", "off"] = setting(
+        "auto", "fixed exchange on CUDA: each rank writes its peers' rows straight into their memory (NVLink, torch's "
+                "symmetric memory) and meets them at a device barrier, instead of NCCL's all-to-all; needs every rank "
+                "of the instance on one host, each seeing all of its GPUs. auto: on where the ranks report that")
     expert_capacity_factor: float = setting(
         2.0, "fixed exchange: C as a multiple of an even share of a step's (token, expert) pairs (at the number of "
              "ranks or more, C holds every pair and nothing can overflow)")

@@ -146,7 +146,6 @@ class Engine:
             self._expert_counts: ExpertCountsReader | None = None
         else:
             model = self._build_model(cfg, experts, wrap_moe)
-            num_pages = cfg.num_pages or self._pages_that_fit()
             exchange = model.backends.moe if isinstance(model.backends.moe, ExpertParallelMoE) else None
             # Under expert parallelism a graph holds the fixed-capacity exchange; with split sizes nothing can.
             use_graphs = cfg.cuda_graphs and (exchange is None or cfg.expert_exchange != "splits")
@@ -154,6 +153,12 @@ class Engine:
             # The exchange the ranks agree on before each step: none where every step exchanges split sizes.
             fixed = cfg.expert_exchange == "fixed" or graphs is not None
             self.fixed_exchange = exchange if fixed else None
+            if self.fixed_exchange is not None and self._wants_peer_writes(self.fixed_exchange):
+                # before the KV pool takes what is free: the exchange's buffers are device memory too
+                self.fixed_exchange.use_peer_writes(graphs.batch_sizes[-1] if graphs else cfg.max_num_seqs,
+                                                    self.model_config.num_experts_per_tok,
+                                                    self.model_config.hidden_size, self.dtype, self.device)
+            num_pages = cfg.num_pages or self._pages_that_fit()
             compiled = compile_layers(model) if wants_compiled_layers(cfg.compile_layers, model) else None
             piecewise = piecewise_graph_config(cfg.piecewise_graphs, graphs is not None, model,
                                                cfg.max_num_batched_tokens)
@@ -206,6 +211,12 @@ class Engine:
             return init_random_weights(model, cfg.seed)
         return load_model(cfg.model, self.model_config, backends, self.device, self.dtype, experts, cfg.progress,
                           keep_fp8)
+
+    def _wants_peer_writes(self, exchange: ExpertParallelMoE) -> bool:
+        setting = self.cfg.expert_peer_writes
+        if setting == "off" or self.device.type != "cuda" or exchange.world_size < 2:
+            return False
+        return setting == "on" or exchange.peer_writes_possible()  # a collective: every rank decides alike
 
     def _pages_that_fit(self) -> int:
         mc = self.model_config

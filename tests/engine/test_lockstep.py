@@ -113,7 +113,8 @@ def test_expert_parallel_greedy_tokens_equal_one_rank_with_all_experts(tiny_mode
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_expert_parallel_decode_under_cuda_graphs_gives_the_eager_tokens(tiny_model_factory, world_size):
     """NCCL, bf16, flashinfer: decode replays graphs holding the fixed-capacity exchange (an idle rank replays padding
-    rows) and gives the tokens of eager steps exchanging split sizes."""
+    rows) and gives the tokens of eager steps exchanging split sizes. Two ranks on one host exchange by writes into
+    each other's memory (expert_peer_writes auto)."""
     pytest.importorskip("flashinfer", reason="decode graphs run on the flashinfer attention backend")
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs")
@@ -127,3 +128,4 @@ def test_expert_parallel_decode_under_cuda_graphs_gives_the_eager_tokens(tiny_mo
     for rank in range(world_size):
         assert graphs[rank][0] == eager[rank][0], f"rank {rank}"
         assert graphs[rank][3].fixed_calls > 0 and eager[rank][3].fixed_calls == 0
+        assert (graphs[rank][3].peer_calls > 0) == (world_size > 1)
