@@ -8,7 +8,7 @@ queued, or paced, one event per token) and,
 for the direct baseline, answers `/v1/completions` itself with the same tokens in OpenAI's shape. So direct costs
 one HTTP exchange with no routing, and router - direct is the router's overhead.
 
-    python benchmarks/router_overhead.py run [--requests 400] [--tokens 64] [--floor]
+    python benchmarks/router_overhead.py run [--requests 400] [--tokens 64] [--floor] [--repeat 5]
     python benchmarks/router_overhead.py run --token-interval-ms 20 --concurrency 256 --requests 1024
 
 With --floor the non-streaming rows are also run through a bare proxy (`proxy` subcommand): uvicorn on the same loop
@@ -296,29 +296,47 @@ def run(args: argparse.Namespace) -> None:
         else:
             scenarios = [("non-streaming", 1, False), ("non-streaming", 16, False), ("streaming", 32, True)]
             pace = "all tokens in one write at once"
-        print(f"{args.requests} requests per row, {args.tokens} tokens each; one stand-in worker, {pace}")
+        rounds = f"; medians of {args.repeat} rounds, ratio's range in brackets" if args.repeat > 1 else ""
+        print(f"{args.requests} requests per row, {args.tokens} tokens each; one stand-in worker, {pace}{rounds}")
         print("| scenario | concurrency | direct req/s | router req/s | ratio | direct p50 / p99 ms | router p50 / p99 ms "
               "| added p50 ms | direct tok/s | router tok/s | chunk gap p99 ms direct / router | front CPU us / request |")
         print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for name, concurrency, stream in scenarios:
-            direct = asyncio.run(load(stand_in_url, concurrency, args.requests, stream, args.tokens))
             fronts = [(name, router_url, router_pid)]
             if proxy_url and not stream:
                 fronts.append((f"{name}, bare proxy", proxy_url, proxy_pid))
-            for row_name, url, pid in fronts:
-                cpu_before_s = cpu_seconds(pid)
-                routed = asyncio.run(load(url, concurrency, args.requests, stream, args.tokens))
-                cpu_us = 1e6 * (cpu_seconds(pid) - cpu_before_s) / args.requests  # the warm-up's few included
-                print(f"| {row_name} | {concurrency} | {direct['req_s']:,.0f} | {routed['req_s']:,.0f} | "
-                      f"{routed['req_s'] / direct['req_s']:.2f} | {direct['p50_ms']:.2f} / {direct['p99_ms']:.2f} | "
-                      f"{routed['p50_ms']:.2f} / {routed['p99_ms']:.2f} | {routed['p50_ms'] - direct['p50_ms']:.2f} | "
-                      f"{direct['tok_s']:,.0f} | {routed['tok_s']:,.0f} | {direct['gap_p99_ms']:.2f} / "
-                      f"{routed['gap_p99_ms']:.2f} | {cpu_us:,.0f} |", flush=True)
+            # Rounds of direct then each front: a ratio compares a front with the direct row just before it (the
+            # machine's speed drifts between rounds), and a row reports each measure's median over the rounds.
+            rounds: dict[str, list[tuple[dict, dict, float]]] = {row_name: [] for row_name, _, _ in fronts}
+            for _ in range(args.repeat):
+                direct = asyncio.run(load(stand_in_url, concurrency, args.requests, stream, args.tokens))
+                for row_name, url, pid in fronts:
+                    cpu_before_s = cpu_seconds(pid)
+                    routed = asyncio.run(load(url, concurrency, args.requests, stream, args.tokens))
+                    cpu_us = 1e6 * (cpu_seconds(pid) - cpu_before_s) / args.requests  # the warm-up's few included
+                    rounds[row_name].append((direct, routed, cpu_us))
+            for row_name, measured in rounds.items():
+                print_row(row_name, concurrency, measured)
     finally:
         for process in processes:
             process.terminate()
         for process in processes:
             process.wait(timeout=30)
+
+
+def print_row(name: str, concurrency: int, rounds: list[tuple[dict, dict, float]]) -> None:
+    """One table row: each measure's median over the rounds; the ratio's range too where there were several."""
+    def median(side: int, key: str) -> float:
+        return statistics.median(r[side][key] for r in rounds)
+
+    ratios = sorted(routed["req_s"] / direct["req_s"] for direct, routed, _ in rounds)
+    ratio = f"{statistics.median(ratios):.2f}" + (f" ({ratios[0]:.2f}-{ratios[-1]:.2f})" if len(ratios) > 1 else "")
+    added_ms = statistics.median(routed["p50_ms"] - direct["p50_ms"] for direct, routed, _ in rounds)
+    cpu_us = statistics.median(r[2] for r in rounds)
+    print(f"| {name} | {concurrency} | {median(0, 'req_s'):,.0f} | {median(1, 'req_s'):,.0f} | {ratio} | "
+          f"{median(0, 'p50_ms'):.2f} / {median(0, 'p99_ms'):.2f} | {median(1, 'p50_ms'):.2f} / {median(1, 'p99_ms'):.2f} | "
+          f"{added_ms:.2f} | {median(0, 'tok_s'):,.0f} | {median(1, 'tok_s'):,.0f} | {median(0, 'gap_p99_ms'):.2f} / "
+          f"{median(1, 'gap_p99_ms'):.2f} | {cpu_us:,.0f} |", flush=True)
 
 
 def main() -> None:
@@ -332,6 +350,8 @@ def main() -> None:
                                  "one streaming row at --concurrency")
     run_parser.add_argument("--concurrency", type=int, default=256, help="streams at once, with --token-interval-ms")
     run_parser.add_argument("--floor", action="store_true", help="also through a bare proxy (non-streaming rows)")
+    run_parser.add_argument("--repeat", type=int, default=1,
+                            help="rounds of each row (direct, then each front); a row prints medians over them")
     stand_in_parser = commands.add_parser("stand-in", help="the stand-in worker (started by run)")
     stand_in_parser.add_argument("--port", type=int, required=True)
     stand_in_parser.add_argument("--token-interval-ms", type=float, default=0.0)

@@ -86,7 +86,7 @@ CASES = [
          ("pool: 2 layers x page 16 x kv_dim 64 bf16 = 4 KiB per page", "(GB/s)", "    1    256 |")),
     Case("kv_layer_streaming.py", ("--prompt-lengths", "64", "--repeats", "1"),
          ("write after (ms)  per layer (ms)", "     64 ")),
-    Case("router_overhead.py", ("run", "--requests", "8", "--tokens", "4", "--floor"),
+    Case("router_overhead.py", ("run", "--requests", "8", "--tokens", "4", "--floor", "--repeat", "2"),
          ("| scenario | concurrency | direct req/s | router req/s |", "| non-streaming, bare proxy | 16 |",
           "| streaming | 32 |")),
     Case("router_at_scale.py", ("--prefill-workers", "1", "--decode-workers", "1", "--ranks", "2", "--requests", "8",
