@@ -73,7 +73,8 @@ class PeerExchange:
             for peer, view in enumerate(self._peers(offset, shares.shape, tensor.dtype)):
                 view[self.rank].copy_(shares[peer])
             rows = tensor.shape[0] + (spare_rows if index == len(tensors) - 1 else 0)
-            mine = self._buffer[offset:offset + rows * _row_bytes(tensor)].view(tensor.dtype).view(rows, *tensor.shape[1:])
+            mine = self._buffer[offset:offset + rows * _row_bytes(tensor)].view(tensor.dtype)
+            mine = mine.view(rows, *tensor.shape[1:])
             if rows > tensor.shape[0]:
                 mine[tensor.shape[0]:].zero_()
             received.append(mine)
@@ -89,7 +90,7 @@ class PeerExchange:
         key = (offset, tuple(shape), dtype)
         views = self._peer_views.get(key)
         if views is None:
-            element_offset = offset // torch.empty(0, dtype=dtype).element_size()
+            element_offset = offset // dtype.itemsize
             views = self._peer_views[key] = [self._handle.get_buffer(peer, tuple(shape), dtype, element_offset)
                                              for peer in range(self.world_size)]
         return views
