@@ -101,14 +101,19 @@ class ExpertParallelMoE:
 
     def peer_writes_possible(self) -> bool:
         """A collective: whether the ranks can write into each other's memory: all on one host (by host name), each
-        seeing every GPU of the group, on distinct ones. Torch's symmetric memory maps a peer's buffer by its device
-        index: ranks that each see only their own GPU (as Ray places rank actors) are all on device 0, and its
-        rendezvous refuses them ("allocations from overlapping devices", measured on two H200s)."""
-        mine = (socket.gethostname(), torch.cuda.device_count(), torch.cuda.current_device())
+        seeing every GPU of the group, on distinct ones, with peer access to the others. Torch's symmetric memory maps
+        a peer's buffer by its device index: ranks that each see only their own GPU (as Ray places rank actors) are
+        all on device 0, and its rendezvous refuses them ("allocations from overlapping devices", measured on two
+        H200s)."""
+        device, count = torch.cuda.current_device(), torch.cuda.device_count()
+        # and direct access to every other GPU it sees (no P2P, e.g. some PCIe hosts: NCCL stages through the host)
+        reaches_all = all(torch.cuda.can_device_access_peer(device, other) for other in range(count) if other != device)
+        mine = (socket.gethostname(), count, device, reaches_all)
         everyone: list[tuple | None] = [None] * self.world_size
         dist.all_gather_object(everyone, mine, group=self.host_group or self.group)
-        hosts, counts, devices = zip(*everyone)  # type: ignore[misc]
-        return len(set(hosts)) == 1 and min(counts) >= self.world_size and len(set(devices)) == self.world_size
+        hosts, counts, devices, reach = zip(*everyone)  # type: ignore[misc]
+        return (len(set(hosts)) == 1 and min(counts) >= self.world_size and len(set(devices)) == self.world_size
+                and all(reach))
 
     def use_peer_writes(self, max_tokens: int, top_k: int, hidden: int, dtype: torch.dtype,
                         device: torch.device) -> None:
