@@ -335,8 +335,9 @@ def print_row(name: str, concurrency: int, rounds: list[tuple[dict, dict, float]
     cpu_us = statistics.median(r[2] for r in rounds)
     print(f"| {name} | {concurrency} | {median(0, 'req_s'):,.0f} | {median(1, 'req_s'):,.0f} | {ratio} | "
           f"{median(0, 'p50_ms'):.2f} / {median(0, 'p99_ms'):.2f} | "
-          f"{median(1, 'p50_ms'):.2f} / {median(1, 'p99_ms'):.2f} | {added_ms:.2f} | {median(0, 'tok_s'):,.0f} | {median(1, 'tok_s'):,.0f} | {median(0, 'gap_p99_ms'):.2f} / "
-          f"{median(1, 'gap_p99_ms'):.2f} | {cpu_us:,.0f} |", flush=True)
+          f"{median(1, 'p50_ms'):.2f} / {median(1, 'p99_ms'):.2f} | {added_ms:.2f} | "
+          f"{median(0, 'tok_s'):,.0f} | {median(1, 'tok_s'):,.0f} | "
+          f"{median(0, 'gap_p99_ms'):.2f} / {median(1, 'gap_p99_ms'):.2f} | {cpu_us:,.0f} |", flush=True)
 
 
 def main() -> None:

@@ -21,9 +21,9 @@ SLACK_S = 5.0  # on top of a bound: a 2-core box shared with other jobs
 TRICKLE_INTERVAL_S = 0.5
 NORMAL_TIMEOUT_S = 10.0
 STALLED_CONNECTIONS = 200
-LONG_STREAM_TOKENS = 4000
+LONG_STREAM_TOKENS = 4000  # many seconds of generation for the tiny model on CPU: still running when cut
 BUFFER_FILL_S = 45.0  # a stream that is not read fills the router's send buffers first (LongStream)
-CLIENT_KEEPALIVE_S = 5.0  # httpx's default expiry of an idle pooled connection  # many seconds of generation for the tiny model on CPU: still running when cut
+CLIENT_KEEPALIVE_S = 5.0  # httpx's default expiry of an idle pooled connection
 
 
 def flag(args: tuple[str, ...], name: str) -> float:
