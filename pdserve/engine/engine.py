@@ -98,6 +98,7 @@ class EngineStats:
     growth_pages: int = 0  # pages the held sequences' next tokens take, which a new reservation leaves free
     expert_weight_bytes: int = 0
     expert_exchange_overflows: int = 0  # fixed-capacity decode steps run again with split sizes
+    expert_peer_writes: bool = False  # the fixed-capacity exchange writes into the peers' memory (else NCCL)
     # (token, expert) pairs this rank's tokens sent to each routed expert (global ids), summed over layers
     expert_tokens: list[int] = field(default_factory=list)
 
@@ -155,9 +156,11 @@ class Engine:
             self.fixed_exchange = exchange if fixed else None
             if self.fixed_exchange is not None and self._wants_peer_writes(self.fixed_exchange):
                 # before the KV pool takes what is free: the exchange's buffers are device memory too
-                self.fixed_exchange.use_peer_writes(graphs.batch_sizes[-1] if graphs else cfg.max_num_seqs,
-                                                    self.model_config.num_experts_per_tok,
-                                                    self.model_config.hidden_size, self.dtype, self.device)
+                mapped = self.fixed_exchange.use_peer_writes(
+                    graphs.batch_sizes[-1] if graphs else cfg.max_num_seqs, self.model_config.num_experts_per_tok,
+                    self.model_config.hidden_size, self.dtype, self.device)
+                if not mapped and cfg.expert_peer_writes == "on":
+                    raise RuntimeError("expert_peer_writes is on, but some rank could not map its peers' memory")
             num_pages = cfg.num_pages or self._pages_that_fit()
             compiled = compile_layers(model) if wants_compiled_layers(cfg.compile_layers, model) else None
             piecewise = piecewise_graph_config(cfg.piecewise_graphs, graphs is not None, model,
@@ -366,6 +369,7 @@ class Engine:
                                   + sum(r.num_pending_tokens for r in self.scheduler.running if r.is_prefilling)),
             expert_weight_bytes=self.expert_weight_bytes,
             expert_exchange_overflows=self.fixed_exchange.exchange.overflow_steps if self.fixed_exchange else 0,
+            expert_peer_writes=self.fixed_exchange is not None and self.fixed_exchange.peer is not None,
             expert_tokens=self._expert_counts.per_expert() if self._expert_counts is not None else [],
         )
 

@@ -20,6 +20,7 @@ layer's shared experts (`beside`). Two-batch overlap (half the tokens through th
 travel) was measured slower at decode sizes, where the experts' weights would be read twice (docs/expert_parallel.md).
 """
 
+import logging
 import math
 import socket
 import time
@@ -33,6 +34,8 @@ from pdserve.ops.moe import MoEBackend, TorchMoE
 from pdserve.ops.moe_grouped import CompiledGroupedMoE, GroupedMoE
 from pdserve.ops.peer_exchange import PeerExchange, region_bytes_for
 from pdserve.ops.token_dynamic import compile_token_dynamic
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -100,41 +103,50 @@ class ExpertParallelMoE:
         self.peer: PeerExchange | None = None  # set by use_peer_writes
 
     def peer_writes_possible(self) -> bool:
-        """A collective: whether the ranks can write into each other's memory: all on one host (by host name), each
-        seeing every GPU of the group, on distinct ones, with peer access to the others. Torch's symmetric memory maps
-        a peer's buffer by its device index: ranks that each see only their own GPU (as Ray places rank actors) are
-        all on device 0, and its rendezvous refuses them ("allocations from overlapping devices", measured on two
-        H200s)."""
+        """A collective: whether the ranks can write into each other's memory: all on one host (by host name), on
+        distinct GPUs (by UUID: under Ray each rank sees only its own GPU, as device 0), each with peer access to the
+        other GPUs it sees (some PCIe hosts have none: NCCL stages through the host there)."""
         device, count = torch.cuda.current_device(), torch.cuda.device_count()
-        # and direct access to every other GPU it sees (no P2P, e.g. some PCIe hosts: NCCL stages through the host)
         reaches_all = all(torch.cuda.can_device_access_peer(device, other) for other in range(count) if other != device)
-        mine = (socket.gethostname(), count, device, reaches_all)
+        mine = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid), reaches_all)
         everyone: list[tuple | None] = [None] * self.world_size
         dist.all_gather_object(everyone, mine, group=self.host_group or self.group)
-        hosts, counts, devices, reach = zip(*everyone)  # type: ignore[misc]
-        return (len(set(hosts)) == 1 and min(counts) >= self.world_size and len(set(devices)) == self.world_size
-                and all(reach))
+        hosts, gpus, reach = zip(*everyone)  # type: ignore[misc]
+        return len(set(hosts)) == 1 and len(set(gpus)) == self.world_size and all(reach)
 
     def use_peer_writes(self, max_tokens: int, top_k: int, hidden: int, dtype: torch.dtype,
-                        device: torch.device) -> None:
+                        device: torch.device) -> bool:
         """Fixed-capacity steps of up to `max_tokens` tokens a rank (`hidden`-wide rows of `dtype`) exchange by
         writes into the peers' memory instead of NCCL (larger ones still use NCCL). A collective: every rank maps
-        every other's buffer (see peer_writes_possible)."""
+        every other's buffer. Where any rank could not (ranks that each see one GPU cannot ask whether the others'
+        are in reach), every rank stays on NCCL; returns whether they write into peer memory."""
         rows = self.world_size * capacity_rows(max_tokens, top_k, self.world_size, self.capacity_factor)
         row_bytes = hidden * dtype.itemsize
-        self.peer = PeerExchange(self.group, (region_bytes_for(rows, (row_bytes, torch.int64.itemsize)),
-                                              region_bytes_for(rows, (row_bytes,))), device)
+        try:
+            peer: PeerExchange | None = PeerExchange(
+                self.group, (region_bytes_for(rows, (row_bytes, torch.int64.itemsize)),
+                             region_bytes_for(rows, (row_bytes,))), device)
+        except RuntimeError as error:
+            log.warning("rank %d cannot map its peers' memory (%s); the expert exchange stays on NCCL",
+                        self.rank, error)
+            peer = None
+        (failed,) = self._host_max([int(peer is None)])
+        self.peer = None if failed else peer
+        return self.peer is not None
 
     def agree_fixed_tokens(self, tokens: int | None) -> int | None:
         """A collective: every rank offers its decode step's token count, or None where its step needs the exchange
         with split sizes (a prefill chunk, a batch larger than any graph). The most tokens of any rank, or None if
         any rank said None."""
-        on_host = self.host_group is not None
-        offer = torch.tensor([int(tokens is None), tokens or 0], dtype=torch.int64,
-                             device=torch.device("cpu") if on_host else self._device())
-        dist.all_reduce(offer, op=dist.ReduceOp.MAX, group=self.host_group if on_host else self.group)
-        needs_splits, most = offer.tolist()
+        needs_splits, most = self._host_max([int(tokens is None), tokens or 0])
         return None if needs_splits else most
+
+    def _host_max(self, values: list[int]) -> list[int]:
+        """A collective: the element-wise maximum of every rank's `values`, over the host group where there is one."""
+        on_host = self.host_group is not None
+        offer = torch.tensor(values, dtype=torch.int64, device=torch.device("cpu") if on_host else self._device())
+        dist.all_reduce(offer, op=dist.ReduceOp.MAX, group=self.host_group if on_host else self.group)
+        return offer.tolist()
 
     def may_overflow(self, tokens: int, top_k: int) -> bool:
         return capacity_rows(tokens, top_k, self.world_size, self.capacity_factor) < tokens * top_k

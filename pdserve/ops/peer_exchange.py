@@ -13,6 +13,7 @@ is rewritten only after the barrier of the other, which every rank reaches after
 regions suffice (docs/expert_parallel.md).
 """
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -48,6 +49,10 @@ class PeerExchange:
         self._region_starts = [0]
         for nbytes in region_bytes:
             self._region_starts.append(self._region_starts[-1] + _aligned(nbytes))
+        # Torch's rendezvous refuses ranks on the same device index, and under Ray each rank sees its one GPU as index
+        # 0; that the ranks are on distinct GPUs is the caller's to check (ExpertParallelMoE compares their UUIDs).
+        # (The same setting turns off NVLink multicast, which this exchange does not use and the GPU hosts forbid.)
+        os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
         self._buffer = symmetric_memory.empty(self._region_starts[-1], dtype=torch.uint8, device=device)
         self._handle = symmetric_memory.rendezvous(self._buffer, group)
         # peers' views by (byte offset, shape, dtype): made once, then every exchange of that shape reuses them

@@ -44,6 +44,9 @@ class WorkerMetrics:
             "pdserve_kv_cache_pages": ("KV pages in the rank's pool, fixed at start", lambda s, c: s.total_pages),
             "pdserve_expert_weight_bytes": ("Routed expert weights this rank holds",
                                             lambda s, c: s.expert_weight_bytes),
+            "pdserve_expert_exchange_peer_writes": (
+                "1 where the decode steps' expert exchange writes into the peer GPUs' memory, 0 where it is NCCL's",
+                lambda s, c: int(s.expert_peer_writes)),
         }
         counters = {
             "pdserve_prefix_cache_queries_tokens": ("Prompt tokens looked up in the prefix cache",

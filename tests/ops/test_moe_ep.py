@@ -97,13 +97,15 @@ def _overflow_rank(rank: int, world_size: int, port: int, results) -> None:
         first, count = expert_owner_range(rank, world_size, NUM_EXPERTS)
         backend = ExpertParallelMoE(None, NUM_EXPERTS, capacity_factor=0.25)  # C = 3 rows of an even share of 9
         backend.fixed_tokens = 6
+        # Peer writes asked for where no rank can map its peers' memory (CPU tensors have no symmetric memory)
+        mapped = backend.use_peer_writes(6, TOP_K, HIDDEN, torch.float32, torch.device("cpu"))
         # Rank 0 sends every pair to rank 1's experts: 18 pairs for 3 rows. Rank 1 stays within its capacity.
         x, ids, weights = inputs[rank]
         if rank == 0:
             ids = torch.tensor([[4, 5, 6]] * 6)
         out = backend.forward(x, ids, weights, w13[first:first + count], w2[first:first + count], first)
-        results.put((rank, bool(torch.isfinite(out).all()), backend.overflowed_anywhere(),
-                     backend.overflowed_anywhere(), backend.exchange.overflow_steps))
+        results.put((rank, mapped, backend.peer is None, bool(torch.isfinite(out).all()),
+                     backend.overflowed_anywhere(), backend.overflowed_anywhere(), backend.exchange.overflow_steps))
     finally:
         dist.destroy_process_group()
 
@@ -111,10 +113,10 @@ def _overflow_rank(rank: int, world_size: int, port: int, results) -> None:
 @pytest.mark.timeout(120)
 def test_an_overflowing_fixed_capacity_exchange_is_seen_by_every_rank_once():
     """The rank that dropped pairs and its peer both learn of it (the step must run again everywhere); the flag then
-    clears, and the count stays."""
+    clears, and the count stays. Peer writes that no rank could map leave every rank on the collectives."""
     port = free_port()
     got = run_spawned_ranks(_overflow_rank, [(r, 2, port) for r in range(2)], 60)
-    assert got[0] == got[1] == [True, True, False, 1]
+    assert got[0] == got[1] == [False, True, True, True, False, 1]
 
 
 GPU_EXPERTS, GPU_HIDDEN, GPU_INTER, GPU_TOP_K = 16, 256, 128, 4

@@ -2,10 +2,12 @@
 killed rank makes the worker unhealthy, the instance restarts, nothing hangs, and it serves the same tokens again."""
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -55,11 +57,11 @@ def rank_actor_pids(worker_pid: int) -> list[int]:
     return pids
 
 
-def expert_pairs(url: str) -> dict[int, float]:
-    """pdserve_expert_tokens_total summed over experts, per rank, as scraped."""
+def per_rank(url: str, metric: str) -> dict[int, float]:
+    """A metric's samples summed per rank, as scraped."""
     totals: dict[int, float] = {}
     for line in httpx.get(url + "/metrics", timeout=10.0).text.splitlines():
-        if line.startswith("pdserve_expert_tokens_total{"):
+        if line.startswith(metric + "{"):
             rank = int(line.split('rank="', 1)[1].split('"', 1)[0])
             totals[rank] = totals.get(rank, 0.0) + float(line.rsplit(" ", 1)[1])
     return totals
@@ -83,13 +85,14 @@ async def generate_all(url: str, tag: str) -> dict[int, list[list[int]]]:
             for rank, prompts in PROMPTS.items()}
 
 
-@pytest.fixture(scope="module")
-def ep_worker(tiny_v2, tmp_path_factory):
+@contextlib.contextmanager
+def started_worker(model: str, log_dir: Path, *args: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A healthy `pdserve worker --ranks 2 --expert-parallel` (its URL and process); stopped on leaving."""
     port = free_port()
-    log_path = tmp_path_factory.mktemp("ep-worker") / "worker.log"
-    command = [sys.executable, "-m", "pdserve", "worker", "--ranks", "2", "--expert-parallel", "--model", tiny_v2,
-               "--port", str(port), "--dtype", "float32", "--num-pages", "64"]
+    command = [sys.executable, "-m", "pdserve", "worker", "--ranks", "2", "--expert-parallel", "--model", model,
+               "--port", str(port), "--num-pages", "64", *args]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    log_path = log_dir / "worker.log"
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -104,6 +107,12 @@ def ep_worker(tiny_v2, tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)  # the session this test started: the worker and its Ray
             process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def ep_worker(tiny_v2, tmp_path_factory):
+    with started_worker(tiny_v2, tmp_path_factory.mktemp("ep-worker"), "--dtype", "float32") as started:
+        yield started
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +131,7 @@ def offline_tokens(tiny_v2) -> dict[int, list[list[int]]]:
 def test_expert_parallel_worker_serves_offline_tokens_and_restarts_after_a_rank_dies(ep_worker, offline_tokens,
                                                                                      tiny_v2):
     url, process = ep_worker
-    warm_up_pairs = expert_pairs(url)  # the ranks' warm-up prompts were routed too
+    warm_up_pairs = per_rank(url, "pdserve_expert_tokens_total")  # the ranks' warm-up prompts were routed too
     assert asyncio.run(generate_all(url, "before")) == offline_tokens
 
     metrics = httpx.get(url + "/metrics", timeout=10.0).text
@@ -135,7 +144,7 @@ def test_expert_parallel_worker_serves_offline_tokens_and_restarts_after_a_rank_
     pairs_per_row = moe.num_experts_per_tok * sum(moe.is_moe_layer(i) for i in range(moe.num_hidden_layers))
     rows = {rank: sum(len(p) + SAMPLING.max_tokens - 1 for p in prompts) for rank, prompts in PROMPTS.items()}
     expected = {rank: warm_up_pairs[rank] + n * pairs_per_row for rank, n in rows.items()}
-    wait_for(lambda: expert_pairs(url) == expected, 10.0, "routed pairs counted per rank")
+    wait_for(lambda: per_rank(url, "pdserve_expert_tokens_total") == expected, 10.0, "routed pairs counted per rank")
 
     actor_pids = wait_for(lambda: len(p := rank_actor_pids(process.pid)) == 2 and p, 10.0, "two rank actors")
 
@@ -153,3 +162,21 @@ def test_expert_parallel_worker_serves_offline_tokens_and_restarts_after_a_rank_
     new_pids = rank_actor_pids(process.pid)
     assert len(new_pids) == 2 and not set(new_pids) & set(actor_pids), "every rank is a new process"
     assert asyncio.run(generate_all(url, "after")) == offline_tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_gpu_ranks_exchange_by_writes_into_peer_memory_and_give_the_nccl_tokens(tiny_v2, tmp_path):
+    """On a host of two GPUs the worker's rank actors, each of which Ray lets see only its own GPU, map each other's
+    exchange buffers (expert_peer_writes auto) and decode under CUDA graphs with them the tokens the same worker
+    decodes over NCCL."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    tokens = {}
+    for setting, transport in (("auto", 1.0), ("off", 0.0)):
+        log_dir = tmp_path / setting
+        log_dir.mkdir()
+        with started_worker(tiny_v2, log_dir, "--dtype", "bfloat16", "--expert-peer-writes", setting) as (url, _):
+            assert per_rank(url, "pdserve_expert_exchange_peer_writes") == {0: transport, 1: transport}
+            tokens[setting] = asyncio.run(generate_all(url, setting))
+    assert tokens["auto"] == tokens["off"]
