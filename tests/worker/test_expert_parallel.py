@@ -90,8 +90,9 @@ def started_worker(model: str, log_dir: Path, *args: str) -> Iterator[tuple[str,
     """A healthy `pdserve worker --ranks 2 --expert-parallel` (its URL and process); stopped on leaving."""
     port = free_port()
     command = [sys.executable, "-m", "pdserve", "worker", "--ranks", "2", "--expert-parallel", "--model", model,
-               "--port", str(port), "--num-pages", "64", *args]
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+               "--port", str(port), *args]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                       os.environ.get("PYTHONPATH", "")]))
     log_path = log_dir / "worker.log"
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -111,7 +112,8 @@ def started_worker(model: str, log_dir: Path, *args: str) -> Iterator[tuple[str,
 
 @pytest.fixture(scope="module")
 def ep_worker(tiny_v2, tmp_path_factory):
-    with started_worker(tiny_v2, tmp_path_factory.mktemp("ep-worker"), "--dtype", "float32") as started:
+    with started_worker(tiny_v2, tmp_path_factory.mktemp("ep-worker"), "--dtype", "float32",
+                        "--num-pages", "64") as started:
         yield started
 
 
@@ -166,17 +168,21 @@ def test_expert_parallel_worker_serves_offline_tokens_and_restarts_after_a_rank_
 
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
-def test_gpu_ranks_exchange_by_writes_into_peer_memory_and_give_the_nccl_tokens(tiny_v2, tmp_path):
+def test_gpu_ranks_exchange_by_writes_into_peer_memory_and_give_the_nccl_tokens(tiny_model_factory, tmp_path):
     """On a host of two GPUs the worker's rank actors, each of which Ray lets see only its own GPU, map each other's
     exchange buffers (expert_peer_writes auto) and decode under CUDA graphs with them the tokens the same worker
     decodes over NCCL."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
+    # MLA's dimensions as flashinfer's GPU kernels take them
+    model = tiny_model_factory("v2", kv_lora_rank=512, qk_rope_head_dim=64, num_attention_heads=16,
+                               num_key_value_heads=16, qk_nope_head_dim=128, v_head_dim=128)
     tokens = {}
     for setting, transport in (("auto", 1.0), ("off", 0.0)):
         log_dir = tmp_path / setting
         log_dir.mkdir()
-        with started_worker(tiny_v2, log_dir, "--dtype", "bfloat16", "--expert-peer-writes", setting) as (url, _):
+        with started_worker(model, log_dir, "--dtype", "bfloat16", "--num-pages", "512",
+                            "--expert-peer-writes", setting) as (url, _):
             assert per_rank(url, "pdserve_expert_exchange_peer_writes") == {0: transport, 1: transport}
             tokens[setting] = asyncio.run(generate_all(url, setting))
     assert tokens["auto"] == tokens["off"]
