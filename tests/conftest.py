@@ -3,15 +3,24 @@
 import os
 import secrets
 
-import pytest
+# One CPU thread for torch in every test process and every process a test starts (set before torch is imported), as
+# the rank actors run: two pytest processes on a 2-core machine, each with a thread per core and the clusters they
+# start beside them, oversubscribed the cores (torch's idle threads spin), and CPU-bound tests ran 4x slower
+# (docs/benchmarks.md, "Test suite time").
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from pdserve.http.internal_auth import TOKEN_ENV
+import pytest  # noqa: E402 - after the thread count
+import torch  # noqa: E402
+
+from pdserve.http.internal_auth import TOKEN_ENV  # noqa: E402
 from pdserve.model.tiny import make_tiny_model
 
 # One internal-API credential for the whole run: every cluster a test starts hands it to its processes, and tests
 # that call a worker's internal API directly send it (tests/probes.py: internal_headers). Set before anything starts.
 os.environ.setdefault(TOKEN_ENV, secrets.token_urlsafe(32))
 from tests.tiny_tokenizer import tiny_model_dir  # noqa: F401 - a fixture for text and router tests
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # also where torch came in before this file (a plugin)
 
 
 @pytest.fixture(scope="session")
