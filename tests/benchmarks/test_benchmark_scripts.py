@@ -110,11 +110,12 @@ CASES = [
 ]
 
 
-def run_script(script: str, args: list[str], tmp_path: Path, timeout_s: float) -> str:
+def run_script(script: str, args: list[str], tmp_path: Path, timeout_s: float, ray_address: str) -> str:
     """The script's stdout, once it has exited 0 within `timeout_s`; on a timeout its whole process group (the
     clusters and routers it started) is killed."""
-    # default_model_dir() makes the tiny model here, not in a home directory other runs share.
-    env = {**os.environ, "PDSERVE_CACHE": str(tmp_path / "cache")}
+    # default_model_dir() makes the tiny model here, not in a home directory other runs share. A script that starts a
+    # cluster joins the test run's Ray (ray.init() reads RAY_ADDRESS) instead of starting one of its own.
+    env = {**os.environ, "PDSERVE_CACHE": str(tmp_path / "cache"), "RAY_ADDRESS": ray_address}
     process = subprocess.Popen([sys.executable, f"benchmarks/{script}", *args], cwd=ROOT, env=env, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
@@ -128,37 +129,39 @@ def run_script(script: str, args: list[str], tmp_path: Path, timeout_s: float) -
 
 
 @pytest.mark.parametrize("bench", CASES, ids=lambda bench: bench.script.removesuffix(".py"))
-def test_benchmark_script_runs_on_the_cpu_and_prints_its_table(bench: Case, tmp_path, tiny_v2):
+def test_benchmark_script_runs_on_the_cpu_and_prints_its_table(bench: Case, tmp_path, tiny_v2, ray_address):
     if bench.write_inputs is not None:
         bench.write_inputs(tmp_path)
     args = [arg.format(tmp=tmp_path, model=tiny_v2) for arg in bench.args]
-    stdout = run_script(bench.script, args, tmp_path, bench.timeout_s)
+    stdout = run_script(bench.script, args, tmp_path, bench.timeout_s, ray_address)
     for expected in bench.expected:
         assert expected in stdout, f"{bench.script}: {expected!r} not in\n{stdout[-3000:]}"
 
 
-def test_planner_day_trace_runs_a_compressed_day_then_plots_it(tmp_path, tiny_v2):
+def test_planner_day_trace_runs_a_compressed_day_then_plots_it(tmp_path, tiny_v2, ray_address):
     stdout = run_script("planner_day_trace.py", [
         "run", "--policy", "planner", "--model", tiny_v2, "--hour-s", "0.1", "--sim-time-scale", "1",
         "--output-len", "2", "4", "--interval-s", "0.2", "--start-delay-s", "0.1", "--scale-down-window-s", "0.5",
-        "--max-workers", "2", "--out", str(tmp_path / "day")], tmp_path, 60.0)
+        "--max-workers", "2", "--out", str(tmp_path / "day")], tmp_path, 60.0, ray_address)
     summary = json.loads(stdout.strip().splitlines()[-1])
     assert summary["policy"] == "planner" and summary["requests"] > 0 and summary["failed"] == 0, summary
     stdout = run_script("planner_day_trace.py", ["plot", str(tmp_path / "day" / "planner.json"),
-                                                 "--out-dir", str(tmp_path / "plots")], tmp_path, 60.0)
+                                                 "--out-dir", str(tmp_path / "plots")], tmp_path, 60.0,
+                        ray_address)
     assert "| policy | requests | failed | SLO attainment | GPU-hours per day |" in stdout
     assert (tmp_path / "plots" / "day_trace.png").is_file() and (tmp_path / "plots" / "slo_vs_gpu_hours.png").is_file()
 
 
 # A cluster of real workers, warmed up on the CPU preset's prompts, then plots: ~25 s, kept in CI as the benchmark the
 # P/D figures come from.
-def test_pd_vs_colocated_runs_a_deployment_then_compares_it(tmp_path):
+def test_pd_vs_colocated_runs_a_deployment_then_compares_it(tmp_path, ray_address):
     out = str(tmp_path / "out")
     stdout = run_script("pd_vs_colocated.py", ["run", "--deployment", "pd", "--rates", "8", "--window-s", "0.25",
-                                               "--min-requests", "2", "--drain-s", "30", "--out", out], tmp_path, 240.0)
+                                               "--min-requests", "2", "--drain-s", "30", "--out", out], tmp_path, 240.0,
+                        ray_address)
     assert "| deployment | rate (req/s) | completed |" in stdout and "| pd | 8 | 2/2 |" in stdout
     pools = re.search(r"KV pool pages: (\S+) ([\d,]+), (\S+) ([\d,]+)\)", stdout)  # both workers' pools, sized
     assert pools and {pools[1], pools[3]} == {"prefill-0", "decode-0"}, stdout[:2000]
     assert int(pools[2].replace(",", "")) > 0 and int(pools[4].replace(",", "")) > 0
-    stdout = run_script("pd_vs_colocated.py", ["compare", "--out", out], tmp_path, 60.0)
+    stdout = run_script("pd_vs_colocated.py", ["compare", "--out", out], tmp_path, 60.0, ray_address)
     assert "| pd | 8 | 2/2 |" in stdout and "pd: highest rate meeting the SLO" in stdout
