@@ -14,14 +14,12 @@ timeline and prints where its GPU sat idle (benchmarks/trace_gaps.py). `--ep-one
 shared experts after the exchange), `shared` (the shared experts while the tokens travel: the engine's default),
 `no-transfer` (as `shared`, but every all-to-all is a local copy: the step's compute without the exchange, so
 step - no-transfer step is the exchange's exposed time), `peer` (the fixed-capacity exchange by writes into the
-peers' memory, pdserve/ops/peer_exchange.py, the shared experts after it; graphs only), `peer-shared` (the same, the
-shared experts while the writes run on a side stream: the engine's default where it writes into peer memory).
+peers' memory, pdserve/ops/peer_exchange.py, the shared experts after it; graphs only).
 
     python benchmarks/gpu_expert_parallel.py --ranks 1,2,4 --batches 64,256     # V2-Lite shape, 1..4 GPUs
     python benchmarks/gpu_expert_parallel.py --ranks 1,2 --batches 64,256 --graphs   # EP1 graph vs EP2 graph
     python benchmarks/gpu_expert_parallel.py --ranks 1,2 --batches 256 --graphs --variants none,shared,no-transfer
     python benchmarks/gpu_expert_parallel.py --ranks 2 --batches 64,256 --graphs --variants shared,peer,no-transfer
-    python benchmarks/gpu_expert_parallel.py --ranks 2 --batches 64,256 --graphs --variants peer,peer-shared
     python benchmarks/gpu_expert_parallel.py --device cpu --dtype float32 --layers 2 --ranks 1,2 --batches 2 \
         --context 32 --iters 2 --exchange fixed                                 # smoke run (gloo)
 """
@@ -52,7 +50,7 @@ from pdserve.ops.select import select_backends
 
 PROFILED_STEPS = 3
 # whether the shared experts run beside the exchange
-VARIANTS = {"none": False, "shared": True, "no-transfer": True, "peer": False, "peer-shared": True}
+VARIANTS = {"none": False, "shared": True, "no-transfer": True, "peer": False}
 
 
 class LocalCopyExchange(ExpertParallelMoE):
@@ -105,7 +103,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
                 moe = (LocalCopyExchange if variant == "no-transfer" else ExpertParallelMoE)(
                     None, cfg.n_routed_experts, backends.moe.local, sync_timing=not args.graphs,
                     capacity_factor=args.capacity_factor, overlap_shared=VARIANTS[variant])
-                if variant.startswith("peer"):
+                if variant == "peer":
                     moe.use_peer_writes(batch_size, cfg.num_experts_per_tok, cfg.hidden_size, dtype, device)
                 model.backends = replace(backends, moe=moe)
                 if compiled is not None:  # the same compiled work around this variant's exchange
@@ -241,7 +239,7 @@ def main() -> None:
     args.variants = args.variants.split(",")
     if unknown := set(args.variants) - set(VARIANTS):
         parser.error(f"unknown variants {sorted(unknown)}")
-    if {"no-transfer", "peer", "peer-shared"} & set(args.variants) and not args.graphs:
+    if {"no-transfer", "peer"} & set(args.variants) and not args.graphs:
         parser.error("the no-transfer and peer variants replace the fixed-capacity exchange: they need --graphs")
     available = torch.cuda.device_count() if args.device == "cuda" else 64
     sizes = [r for r in (int(r) for r in args.ranks.split(",")) if r <= available]

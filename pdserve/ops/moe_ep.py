@@ -101,7 +101,6 @@ class ExpertParallelMoE:
         self._overflow: torch.Tensor | None = None  # one persistent flag on the device, raised in place (graph-safe)
         self.eager_work = FixedExchangeWork(place_pairs, self.local, combine_returned)
         self.peer: PeerExchange | None = None  # set by use_peer_writes
-        self._peer_stream: torch.cuda.Stream | None = None  # the peer writes' stream while work runs beside them
 
     def peer_writes_possible(self) -> bool:
         """A collective: whether the ranks can write into each other's memory: all on one host (by host name), on
@@ -166,11 +165,6 @@ class ExpertParallelMoE:
     def _device(self) -> torch.device:
         # gloo reduces CPU tensors, NCCL device tensors
         return torch.device("cuda") if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
-
-    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        if self._peer_stream is None:
-            self._peer_stream = torch.cuda.Stream(device)
-        return self._peer_stream
 
     def _overflow_flag(self, device: torch.device) -> torch.Tensor:
         if self._overflow is None:
@@ -253,17 +247,7 @@ class ExpertParallelMoE:
         # Peer writes where this step's rows fit the buffers (every rank decides alike: the same fixed_tokens)
         peer = self.peer if self.peer is not None and self.peer.fits(0, (send_x, send_ids)) else None
         started = self._clock()
-        if peer is not None and beside is not None and beside_out is None:
-            # The writes (the copies, then the barrier) on a side stream, the work beside them on the step's;
-            # the experts read what arrived once the step's stream has waited for the side stream.
-            step_stream = torch.cuda.current_stream(x.device)
-            side = self._side_stream(x.device)
-            side.wait_stream(step_stream)
-            with torch.cuda.stream(side):
-                recv_x, recv_ids = peer.all_to_all(0, (send_x, send_ids))
-            beside_out = beside()
-            step_stream.wait_stream(side)
-        elif peer is not None:
+        if peer is not None:  # in the step's stream: work beside it runs after it
             recv_x, recv_ids = peer.all_to_all(0, (send_x, send_ids))
         else:
             recv_x, recv_ids = torch.empty_like(send_x), torch.empty_like(send_ids)
