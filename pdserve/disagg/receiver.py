@@ -28,12 +28,14 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pdserve.disagg.counters import HandoffCounters
-from pdserve.transfer.backend import TransferBackend
 from pdserve.wire.client import WorkerUnavailable
 from pdserve.wire.protocol import GenerateRequest, KVDestination, Plan, PrefillSource, Reservation, ReservationQuery, TokenEvent
+
+if TYPE_CHECKING:  # the backend module brings torch; the worker edge imports this module for CLOCK_MARGIN_S alone
+    from pdserve.transfer.backend import TransferBackend
 
 log = logging.getLogger(__name__)
 CLOCK_MARGIN_S = 1.0  # allowed disagreement between host clocks for write deadlines
@@ -117,7 +119,7 @@ def _raise_if_not_reserved(reception: Reception) -> None:
 
 
 class Receiver:
-    def __init__(self, cfg: ReceiverConfig, backend: TransferBackend, pages: DecodePages,
+    def __init__(self, cfg: ReceiverConfig, backend: "TransferBackend", pages: DecodePages,
                  prefill_link: Callable[[PrefillSource], PrefillLink], counters: HandoffCounters):
         self.cfg = cfg
         self._backend = backend

@@ -11,7 +11,7 @@ import importlib.util
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import SampleResult, sample, sample_on_device
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from pdserve.engine.simulated import SimulatedRunner
+from pdserve.engine.stats import EngineStats
 from pdserve.engine.step_profile import DEFAULT_PROFILE, StepProfile
 from pdserve.engine.step_shape import StepShape, step_shape
 from pdserve.model.compiled_layers import compile_layers, wants_compiled_layers
@@ -79,28 +80,6 @@ class RequestOutput:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
-
-
-@dataclass
-class EngineStats:
-    running: int
-    waiting: int
-    held: int  # sequences held: running, waiting, or reserved for a KV transfer (reservations stop at max_num_seqs)
-    free_pages: int
-    total_pages: int
-    prefix_cache_pages: int
-    prefix_queries_tokens: int
-    prefix_hits_tokens: int
-    prompt_tokens: int
-    generation_tokens: int
-    # Prompt tokens still to compute: waiting requests' (before any prefix-cache match) and running prefills' rest.
-    queued_prompt_tokens: int = 0
-    growth_pages: int = 0  # pages the held sequences' next tokens take, which a new reservation leaves free
-    expert_weight_bytes: int = 0
-    expert_exchange_overflows: int = 0  # fixed-capacity decode steps run again with split sizes
-    expert_peer_writes: bool = False  # the fixed-capacity exchange writes into the peers' memory (else NCCL)
-    # (token, expert) pairs this rank's tokens sent to each routed expert (global ids), summed over layers
-    expert_tokens: list[int] = field(default_factory=list)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -5,17 +5,20 @@ them."""
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, Callable
+from typing import TYPE_CHECKING, Union
 
 from pdserve.disagg.guard import HandoffGuard, HandoffRefused
 from pdserve.wire.channel import GenerateRefused
 from pdserve.wire.protocol import API_VERSION, GenerateRequest, Role, TokenEvent, coalesce_events
 from pdserve.worker.drain import DrainGate
-from pdserve.worker.inprocess_rank import InProcessRank
 from pdserve.worker.prefill_start import start_prefill
 from pdserve.worker.rank_actors import RankHandle
 
+if TYPE_CHECKING:  # a rank in process brings the engine and torch, which a worker process's edge does not import
+    from pdserve.worker.inprocess_rank import InProcessRank
+
 log = logging.getLogger(__name__)
-Rank = RankHandle | InProcessRank  # a rank actor, or a rank in this process (the in-process cluster)
+Rank = Union[RankHandle, "InProcessRank"]  # a rank actor, or a rank in this process (the in-process cluster)
 
 
 class GenerateEdge:

@@ -14,7 +14,8 @@ from pdserve.wire.protocol import (
     ReservationQuery,
     TokenEvent,
 )
-from pdserve.worker.rank_runtime import RankRuntime, RankStats
+from pdserve.worker.rank_config import RankStats
+from pdserve.worker.rank_runtime import RankRuntime
 
 
 class InProcessRank:

@@ -10,7 +10,7 @@ import logging
 import ray
 
 from pdserve.worker.rank_actors import RANK_START_TIMEOUT_S, RankHandle, place_ranks, start_actors
-from pdserve.worker.rank_runtime import RankConfig
+from pdserve.worker.rank_config import RankConfig
 
 log = logging.getLogger(__name__)
 

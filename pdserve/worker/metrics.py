@@ -3,7 +3,7 @@
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from pdserve.worker.rank_runtime import RankStats
+from pdserve.worker.rank_config import RankStats
 
 LABELS = ["model", "role", "rank"]
 TRANSFER_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

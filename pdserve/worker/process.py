@@ -20,7 +20,7 @@ from pdserve.worker.gc_pauses import freeze_start_up_objects
 from pdserve.worker.http_app import Rank, RankSet, build_worker_app
 from pdserve.worker.instance import ExpertParallelInstance
 from pdserve.worker.rank_actors import RANK_START_TIMEOUT_S, connect_ray, start_ranks
-from pdserve.worker.rank_runtime import RankConfig
+from pdserve.worker.rank_config import RankConfig
 
 log = logging.getLogger(__name__)
 # A prefill worker's reservation query waits while the decode rank waits for room (up to its prefill timeout, the

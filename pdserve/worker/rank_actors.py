@@ -17,15 +17,13 @@ import os
 import sys
 from collections.abc import AsyncGenerator, Awaitable
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import msgspec
 import ray
-import torch
-import torch.distributed as dist
 from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pdserve.engine.engine import resolve_device
 from pdserve.http.ports import free_port
 from pdserve.wire.protocol import (
     GenerateRequest,
@@ -38,7 +36,10 @@ from pdserve.wire.protocol import (
 )
 from pdserve.worker.gc_pauses import freeze_start_up_objects
 from pdserve.worker.pending_reservations import PendingReservations
-from pdserve.worker.rank_runtime import RankConfig, RankRuntime, RankStats
+from pdserve.worker.rank_config import RankConfig, RankStats
+
+if TYPE_CHECKING:  # the runtime brings torch, which only the actor's process needs (the worker edge imports this)
+    from pdserve.worker.rank_runtime import RankRuntime
 
 log = logging.getLogger(__name__)
 RANK_START_TIMEOUT_S = 600.0
@@ -54,6 +55,10 @@ class RankActor:
         self._consumer = 0  # the event stream being served; a newer call takes over from an older one
         self._forwarding: set[asyncio.Task] = set()
         self._reservations = PendingReservations()  # what submitted prefill plans wait for
+        import torch
+
+        from pdserve.worker.rank_runtime import RankRuntime
+
         cfg = msgspec.json.decode(cfg_json, type=RankConfig)
         if cfg.engine.device == "cpu" or not torch.cuda.is_available():
             torch.set_num_threads(1)  # ranks share the host's cores; one thread each avoids oversubscription
@@ -62,9 +67,9 @@ class RankActor:
         sys.setswitchinterval(cfg.gil_switch_interval_s)
         self.cfg = cfg
         # An expert-parallel rank builds its runtime in join(), once every rank of its instance exists.
-        self.runtime: RankRuntime | None = None if cfg.expert_parallel else RankRuntime(cfg)
+        self.runtime: "RankRuntime | None" = None if cfg.expert_parallel else RankRuntime(cfg)
 
-    def _started(self) -> RankRuntime:
+    def _started(self) -> "RankRuntime":
         """The runtime, its step thread running and its warm-up under way (from the first call on)."""
         if self.runtime is None:
             raise RuntimeError(f"rank {self.cfg.rank} has not joined its expert-parallel instance")
@@ -79,6 +84,11 @@ class RankActor:
         await asyncio.to_thread(self._join, address)
 
     def _join(self, address: str) -> None:
+        import torch.distributed as dist
+
+        from pdserve.engine.engine import resolve_device
+        from pdserve.worker.rank_runtime import RankRuntime
+
         backend = "nccl" if resolve_device(self.cfg.engine.device).type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{address}", rank=self.cfg.rank,
                                 world_size=self.cfg.world_size, timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
@@ -110,7 +120,7 @@ class RankActor:
         """The worker edge's confirmed reservation for a prefill plan; null: the edge refused it (the request ends)."""
         self._reservations.deliver(request_id, msgspec.json.decode(reservation_json, type=Reservation | None))
 
-    async def _forward(self, runtime: RankRuntime, request: GenerateRequest,
+    async def _forward(self, runtime: "RankRuntime", request: GenerateRequest,
                        reservation: asyncio.Future[Reservation] | None) -> None:
         try:
             async for event in runtime.generate(request, reservation):

@@ -17,7 +17,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -25,7 +24,6 @@ import torch.distributed as dist
 from pdserve.cache.page_allocator import pages_for
 from pdserve.disagg.counters import HandoffCounters
 from pdserve.disagg.receiver import (
-    CLOCK_MARGIN_S,
     HandoffAborted,
     HandoffFailed,
     PrefillLink,
@@ -33,8 +31,7 @@ from pdserve.disagg.receiver import (
     ReceiverConfig,
 )
 from pdserve.disagg.sender import Sender
-from pdserve.engine.config import EngineConfig
-from pdserve.engine.engine import Engine, EngineStats, NoCapacityError, RequestOutput
+from pdserve.engine.engine import Engine, NoCapacityError, RequestOutput
 from pdserve.engine.lockstep import Lockstep
 from pdserve.engine.simulated import SimulatedRunner
 from pdserve.engine.step_trace import StepTrace, rank_trace_path
@@ -54,10 +51,10 @@ from pdserve.wire.protocol import (
     RankLoad,
     Reservation,
     ReservationQuery,
-    Role,
     TokenEvent,
 )
 from pdserve.worker.kv_event_log import KVEventLog
+from pdserve.worker.rank_config import RankConfig, RankStats
 from pdserve.worker.step_loop import StepLoop
 from pdserve.worker.warm_up import warm_up
 
@@ -67,25 +64,6 @@ RESERVE_RETRY_S = 0.02  # a decode rank whose pool is full retries a reservation
 EVENT_POLL_S = 0.002  # how often a reservation looks whether the steps launched before it have run
 
 OpenBackend = Callable[[str, torch.Tensor, OnNotification], TransferBackend]
-
-
-@dataclass(frozen=True)
-class RankConfig:
-    rank: int
-    role: Role
-    engine: EngineConfig
-    worker_url: str  # how peers' discovery names this rank's worker
-    transfer_timeout_s: float = 30.0
-    prefill_timeout_s: float = 120.0
-    world_size: int = 1  # ranks of this worker
-    expert_parallel: bool = False  # the ranks share the routed experts over the default process group
-    internal_token: str = field(default="", repr=False)  # sent on this rank's calls to prefill workers
-    nixl_progress_thread: bool | None = None  # None: on for a GPU pool, off on the CPU (docs/transfer.md)
-    warmup: bool = True  # run every kernel variant once before the rank reports ready
-    gil_switch_interval_s: float = 0.00005  # sys.setswitchinterval of the rank's process (see RankActor)
-    test_step_delay_s: float = 0.0  # test hook: after warm-up each step first sleeps this long (a slow kernel)
-    clock_margin_s: float = CLOCK_MARGIN_S  # how far host clocks may disagree, for write deadlines
-    step_trace: str = ""  # trace each busy step to this path's `.{role}.rank{rank}` file once warmed up (step_trace.py)
 
 
 async def _completed(event: torch.cuda.Event | None, deadline_s: float) -> None:
@@ -192,14 +170,6 @@ class _EnginePort:
         await self._runtime.steps.call(lambda: self._engine.release(request_id))
 
 
-@dataclass
-class RankStats:
-    """What a rank reports for the worker's metrics, across the Ray boundary (msgspec-encoded)."""
-
-    engine: EngineStats
-    counters: HandoffCounters
-
-
 class RankRuntime:
     def __init__(self, cfg: RankConfig, open_backend: OpenBackend | None = None,
                  prefill_link: Callable[[PrefillSource], PrefillLink] | None = None):
@@ -301,7 +271,7 @@ class RankRuntime:
                         time.monotonic() - snapshot.turned_s, not self.warmed_up, stats.queued_prompt_tokens,
                         snapshot.prefill_tokens_per_s, snapshot.decode_step_s if stats.running else 0.0)
 
-    def stats(self) -> "RankStats":
+    def stats(self) -> RankStats:
         return RankStats(self.steps.snapshot.engine, self.counters.drain())
 
     # --- requests ---------------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from pdserve.engine.engine import Engine, EngineStats, RequestOutput
+from pdserve.engine.engine import Engine, RequestOutput
+from pdserve.engine.stats import EngineStats
 from pdserve.engine.lockstep import Lockstep
 from pdserve.engine.step_shape import StepShape
 from pdserve.engine.step_trace import StepTrace

@@ -16,7 +16,8 @@ from pdserve.wire.client import WorkerUnavailable
 from pdserve.wire.protocol import GenerateRequest, Plan, PrefillSource, ReservationQuery, TokenEvent
 from pdserve.wire.sampling import SamplingParams
 from pdserve.worker.prefill_start import start_prefill
-from pdserve.worker.rank_runtime import RankConfig, RankRuntime
+from pdserve.worker.rank_config import RankConfig
+from pdserve.worker.rank_runtime import RankRuntime
 
 T = TypeVar("T")
 PREFILL_URL, DECODE_URL = "http://prefill.test:8100", "http://decode.test:8100"

@@ -6,7 +6,8 @@ from pdserve.wire.kv_events import KVEvent
 from pdserve.wire.protocol import GenerateRequest
 from pdserve.wire.sampling import SamplingParams
 from pdserve.worker.kv_event_log import KVEventLog
-from pdserve.worker.rank_runtime import RankConfig, RankRuntime
+from pdserve.worker.rank_config import RankConfig
+from pdserve.worker.rank_runtime import RankRuntime
 
 
 def stored_blocks():
