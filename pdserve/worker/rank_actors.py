@@ -55,7 +55,7 @@ class RankActor:
         self._consumer = 0  # the event stream being served; a newer call takes over from an older one
         self._forwarding: set[asyncio.Task] = set()
         self._reservations = PendingReservations()  # what submitted prefill plans wait for
-        import torch
+        import torch  # here, in the actor's own process: the worker edge imports this module without torch
 
         from pdserve.worker.rank_runtime import RankRuntime
 
