@@ -20,6 +20,7 @@ layer's shared experts (`beside`). Two-batch overlap (half the tokens through th
 travel) was measured slower at decode sizes, where the experts' weights would be read twice (docs/expert_parallel.md).
 """
 
+import functools
 import logging
 import math
 import socket
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.ops.moe import MoEBackend, TorchMoE
-from pdserve.ops.moe_grouped import CompiledGroupedMoE, GroupedMoE
+from pdserve.ops.moe_grouped import GroupedMoE
 from pdserve.ops.peer_exchange import PeerExchange, region_bytes_for
 from pdserve.ops.token_dynamic import compile_token_dynamic
 
@@ -72,7 +73,7 @@ class FixedExchangeWork:
     ~20 small kernels a layer eagerly)."""
 
     place: Callable  # place_pairs
-    local: MoEBackend
+    owned: Callable  # owned_rows over the rank's local backend
     combine: Callable  # combine_returned
 
 
@@ -99,7 +100,7 @@ class ExpertParallelMoE:
         # Tokens per rank of the current fixed-capacity step (every rank alike), or None: split sizes exchanged.
         self.fixed_tokens: int | None = None
         self._overflow: torch.Tensor | None = None  # one persistent flag on the device, raised in place (graph-safe)
-        self.eager_work = FixedExchangeWork(place_pairs, self.local, combine_returned)
+        self.eager_work = FixedExchangeWork(place_pairs, functools.partial(owned_rows, self.local), combine_returned)
         self.peer: PeerExchange | None = None  # set by use_peer_writes
 
     def peer_writes_possible(self) -> bool:
@@ -259,9 +260,9 @@ class ExpertParallelMoE:
         dispatched = self._clock()
 
         # Padding rows carry expert -1, which no rank holds: the local backend leaves them out (they return unset
-        # rows, which no pair reads).
-        weights = torch.ones(recv_ids.shape[0], 1, dtype=torch.float32, device=x.device)
-        expert_out = work.local.forward(recv_x, recv_ids[:, None], weights, w13, w2, self.first_expert)
+        # rows, which no pair reads). Every owner receives k rows a token on average.
+        expert_out = work.owned(recv_x, recv_ids, w13, w2, self.first_expert, self.world_size,
+                                self.fixed_tokens * k)
 
         combine_started = self._clock()
         # the spare row stays zero: a dropped pair reads it
@@ -303,14 +304,15 @@ def _wait(works: list[dist.Work]) -> None:
 
 def place_pairs(x: torch.Tensor, topk_ids: torch.Tensor, experts_per_rank: int, world_size: int, capacity: int):
     """The fixed-capacity send buffers: (send_x [R C, hidden], send_ids [R C] with -1 on padding rows, order, slot,
-    overflowed). Pairs are grouped by owner in token order (`order`: the pairs so sorted); each owner's first C take
-    rows [owner C, owner C + C) of the buffers (`slot`, per sorted pair), the rest go to a spare row past the end
-    (`slot` R C) and raise `overflowed` (0-dim bool)."""
+    overflowed). Pairs are sorted by expert, hence grouped by owner (`order`: the pairs so sorted); each owner's
+    first C take rows [owner C, owner C + C) of the buffers (`slot`, per sorted pair), the rest go to a spare row
+    past the end (`slot` R C) and raise `overflowed` (0-dim bool). So each owner receives blocks sorted by expert,
+    padding last, which it places without a sort of its own (GroupedMoE.forward_blocks)."""
     k = topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1)
     num_pairs = flat_ids.shape[0]
     owner = torch.div(flat_ids, experts_per_rank, rounding_mode="floor")
-    order = torch.argsort(owner, stable=True)
+    order = torch.argsort(flat_ids, stable=True)
     sorted_owner = owner[order]
     # scatter_add, not bincount: bincount sizes its output from the largest value, which the host would wait for
     counts = torch.zeros(world_size, dtype=torch.int64, device=x.device).scatter_add_(0, owner, torch.ones_like(owner))
@@ -320,6 +322,16 @@ def place_pairs(x: torch.Tensor, topk_ids: torch.Tensor, experts_per_rank: int, 
     send_x = x.new_zeros(rows + 1, x.shape[1]).index_copy_(0, slot, x[torch.div(order, k, rounding_mode="floor")])
     send_ids = flat_ids.new_full((rows + 1,), -1).index_copy_(0, slot, flat_ids[order])
     return send_x[:rows], send_ids[:rows], order, slot, (counts > capacity).any()
+
+
+def owned_rows(local: MoEBackend, recv_x: torch.Tensor, recv_ids: torch.Tensor, w13, w2, first_expert: int,
+               blocks: int, expected_rows: int) -> torch.Tensor:
+    """The owner's experts on the fixed-capacity exchange's received rows: each row a token with one expert of weight
+    1, `blocks` blocks of them (one per sender) each sorted by expert; padding rows (-1) come back unset."""
+    if isinstance(local, GroupedMoE):
+        return local.forward_blocks(recv_x, recv_ids, w13, w2, first_expert, blocks, expected_rows)
+    weights = torch.ones(recv_ids.shape[0], 1, dtype=torch.float32, device=recv_x.device)
+    return local.forward(recv_x, recv_ids[:, None], weights, w13, w2, first_expert)
 
 
 def combine_returned(back: torch.Tensor, order: torch.Tensor, slot: torch.Tensor, topk_ids: torch.Tensor,
@@ -343,8 +355,10 @@ class CompiledExpertParallelMoE:
 
     @classmethod
     def build(cls, exchange: ExpertParallelMoE, backend: str | Callable = "inductor") -> "CompiledExpertParallelMoE":
-        local = CompiledGroupedMoE.build(backend) if isinstance(exchange.local, GroupedMoE) else exchange.local
-        return cls(exchange, FixedExchangeWork(compile_token_dynamic(place_pairs, backend), local,
+        owned = functools.partial(owned_rows, exchange.local)
+        if isinstance(exchange.local, GroupedMoE):  # TorchMoE stays eager (it reads routing on the host)
+            owned = compile_token_dynamic(owned, backend)
+        return cls(exchange, FixedExchangeWork(compile_token_dynamic(place_pairs, backend), owned,
                                                compile_token_dynamic(combine_returned, backend)))
 
     def forward(self, x, topk_ids, topk_weights, w13, w2, first_expert: int, beside=None):

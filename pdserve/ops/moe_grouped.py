@@ -3,10 +3,11 @@ batches, `torch._grouped_mm` above; block-FP8 weights: pdserve.ops.fp8_gemm's gr
 expert, no host syncs.
 
 Each (token, slot) pair becomes one row; rows are sorted by local expert so every expert's rows are contiguous,
-and the group boundaries come from a device-side search over the sorted ids, so the step never waits on the host
-(a prerequisite for CUDA graphs). Each row is scaled by its routing weight between the two GEMMs (the down
-projection is linear, so this equals scaling its output), which leaves a plain sum of each token's slots as the
-combine.
+and the group boundaries come from the device (a search over the sorted ids, or counts), so the step never waits on
+the host (a prerequisite for CUDA graphs). Rows that arrive in blocks already sorted by expert (the expert-parallel
+exchange's) are placed by counting instead of sorted. Each row is scaled by its routing weight between the two GEMMs
+(the down projection is linear, so this equals scaling its output), which leaves a plain sum of each token's slots
+as the combine.
 """
 
 import functools
@@ -26,8 +27,10 @@ from pdserve.ops.fp8_gemm import (
 from pdserve.ops.token_dynamic import compile_token_dynamic
 
 # Decode-sized expert batches (up to this many routed rows per local expert on average) go to the Triton grouped
-# GEMM, which reads each chosen expert's weights once in small tiles; larger ones to torch._grouped_mm (cuBLAS).
-SMALL_GROUPED_ROWS_PER_EXPERT = 32
+# GEMM, which reads each chosen expert's weights once in small tiles; larger ones to torch._grouped_mm (cuBLAS). On
+# an H200 the Triton kernel ran 1.25-1.40x cuBLAS's speed at 24 and 48 rows and 0.94-0.98x at 96
+# (benchmarks/gpu_grouped_gemm.py --tokens 256,512,1024).
+SMALL_GROUPED_ROWS_PER_EXPERT = 64
 COUNTING_SORT_MAX_ROWS = 96  # routed rows (16 tokens of V2-Lite's 6 slots): where the counting sort wins, see below
 if importlib.util.find_spec("triton") is not None and torch.cuda.is_available():
     from pdserve.ops.gemm_triton import bf16_grouped_gemm_op, silu_and_mul_quantize
@@ -89,22 +92,64 @@ def radix_sort(ids: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.
     return order, inverse, group_ends
 
 
+def merge_sorted_blocks(ids: torch.Tensor, num_groups: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                 torch.Tensor]:
+    """sort_by_group for ids made of `blocks` equal blocks, each already sorted by group id: every row's place comes
+    from counts of the groups in each block (a [blocks, groups] table), with no sort. Stable."""
+    rows = ids.numel()
+    index = torch.arange(rows, device=ids.device)
+    block = torch.div(index, max(rows // blocks, 1), rounding_mode="floor")
+    cell = block * num_groups + ids
+    counts = torch.zeros(blocks * num_groups, dtype=torch.int64, device=ids.device) \
+        .scatter_add_(0, cell, torch.ones_like(cell)).view(blocks, num_groups)
+    totals = counts.sum(dim=0)
+    group_ends = torch.cumsum(totals, dim=0)
+    in_earlier_blocks = torch.cumsum(counts, dim=0) - counts  # rows of the group in the blocks before
+    block_start = torch.cumsum(counts.view(-1), dim=0) - counts.view(-1)  # the cell's first row, as a row index
+    inverse = (group_ends - totals)[ids] + in_earlier_blocks.view(-1)[cell] + index - block_start[cell]
+    order = torch.empty_like(inverse)
+    order[inverse] = index
+    return order, inverse, group_ends.to(torch.int32)
+
+
+def local_groups(ids: torch.Tensor, first_expert: int, num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(group ids, is_local) of global expert ids: this rank's experts as 0..num_local-1, every other id (other ranks'
+    experts, the exchange's padding -1) as num_local, a group past the last expert, which no GEMM computes."""
+    local_ids = ids - first_expert
+    is_local = (local_ids >= 0) & (local_ids < num_local)
+    return torch.where(is_local, local_ids, num_local), is_local
+
+
 class GroupedMoE:
     def forward(self, x, topk_ids, topk_weights, w13, w2, first_expert: int):
-        num_tokens, top_k = topk_ids.shape
-        num_local = w13.shape[0]
-        local_ids = (topk_ids - first_expert).reshape(-1)
-        is_local = (local_ids >= 0) & (local_ids < num_local)
-        # Slots of other ranks' experts (half the rows of the fixed-capacity exchange are such padding) sort into a
-        # group past the last expert, which no GEMM computes: rows past the last group end are left unset.
-        order, inverse, group_ends = sort_by_group(torch.where(is_local, local_ids, num_local), num_local + 1)
-        group_ends = group_ends[:-1]
-        gate_up = grouped_linear(x, w13, group_ends, row_index=order // top_k)
-        down = activate_and_project_down(gate_up, topk_weights.reshape(-1)[order], w2, group_ends)
-        # Unsort with a gather (the inverse permutation), unset rows read as zero (a select: they may hold NaN), then
-        # sum each token's k slots (float32 accumulation, deterministic, unlike an atomic scatter-add).
-        per_slot = torch.where(is_local[:, None], down[inverse], 0)
-        return per_slot.view(num_tokens, top_k, -1).sum(dim=1)
+        groups, is_local = local_groups(topk_ids.reshape(-1), first_expert, w13.shape[0])
+        # Rows of the group past the last expert are left unset by the GEMMs.
+        sorted_rows = sort_by_group(groups, w13.shape[0] + 1)
+        return experts_of_sorted_rows(x, topk_ids.shape[1], topk_weights.reshape(-1), is_local, sorted_rows, w13, w2)
+
+    def forward_blocks(self, x, ids, w13, w2, first_expert: int, blocks: int, expected_rows: int) -> torch.Tensor:
+        """Each row of x through its expert `ids` (weight 1), where x and ids come as `blocks` equal blocks each
+        sorted by expert, padding (id -1) last (the fixed-capacity exchange's received rows): placed by counting,
+        no sort. `expected_rows`: how many rows are not padding, as a rule (the GEMMs' choice of kernel)."""
+        groups, is_local = local_groups(ids, first_expert, w13.shape[0])
+        sorted_rows = merge_sorted_blocks(groups, w13.shape[0] + 1, blocks)
+        ones = torch.ones(ids.shape[0], dtype=torch.float32, device=x.device)
+        return experts_of_sorted_rows(x, 1, ones, is_local, sorted_rows, w13, w2, expected_rows)
+
+
+def experts_of_sorted_rows(x, top_k: int, weights: torch.Tensor, is_local: torch.Tensor,
+                           sorted_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], w13, w2,
+                           expected_rows: int | None = None) -> torch.Tensor:
+    """Each token's weighted sum of its k slots' experts, the slots (rows of token r // k) sorted by group as
+    sort_by_group gives them; slots not is_local add nothing."""
+    order, inverse, group_ends = sorted_rows
+    group_ends = group_ends[:-1]  # the last group holds the slots no GEMM computes
+    gate_up = grouped_linear(x, w13, group_ends, row_index=order // top_k, expected_rows=expected_rows)
+    down = activate_and_project_down(gate_up, weights[order], w2, group_ends, expected_rows)
+    # Unsort with a gather (the inverse permutation), unset rows read as zero (a select: they may hold NaN), then
+    # sum each token's k slots (float32 accumulation, deterministic, unlike an atomic scatter-add).
+    per_slot = torch.where(is_local[:, None], down[inverse], 0)
+    return per_slot.view(-1, top_k, down.shape[1]).sum(dim=1)
 
 
 @dataclass(frozen=True)
@@ -120,7 +165,7 @@ class CompiledGroupedMoE:
 
 
 def activate_and_project_down(gate_up: torch.Tensor, weights: torch.Tensor, w2: torch.Tensor | BlockFP8Weight,
-                              group_ends: torch.Tensor) -> torch.Tensor:
+                              group_ends: torch.Tensor, expected_rows: int | None = None) -> torch.Tensor:
     """grouped_linear(weighted_silu_and_mul(gate_up, weights), w2, group_ends) for rows sorted by group."""
     # Inside a compiled region the plain function fuses with its neighbours anyway.
     fused = gate_up.is_cuda and not torch.compiler.is_compiling()
@@ -130,17 +175,21 @@ def activate_and_project_down(gate_up: torch.Tensor, weights: torch.Tensor, w2: 
         q, scales = silu_and_mul_quantize(gate_up, weights, w2.block_size[1])
         return block_fp8_grouped_linear_quantized(q, scales, w2, group_ends)
     activation = fused_weighted_silu_and_mul() if fused else weighted_silu_and_mul
-    return grouped_linear(activation(gate_up, weights), w2, group_ends)
+    return grouped_linear(activation(gate_up, weights), w2, group_ends, expected_rows=expected_rows)
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor | BlockFP8Weight, group_ends: torch.Tensor,
-                   row_index: torch.Tensor | None = None) -> torch.Tensor:
-    """Row i of the result: x[row_index[i]] (x[i] without an index) times the weight of the group holding row i."""
+                   row_index: torch.Tensor | None = None, expected_rows: int | None = None) -> torch.Tensor:
+    """Row i of the result: x[row_index[i]] (x[i] without an index) times the weight of the group holding row i.
+    `expected_rows`: how many rows lie within the groups, as a rule (all of them by default): the bf16 kernel's
+    choice."""
     if isinstance(weight, BlockFP8Weight):
         # gathers the rows as it quantizes them (prefill sizes) or inside the GEMM (decode sizes)
         return block_fp8_grouped_linear(x, weight, group_ends, row_index)
     rows = x.shape[0] if row_index is None else row_index.shape[0]
-    if x.is_cuda and bf16_grouped_gemm_op is not None and rows <= SMALL_GROUPED_ROWS_PER_EXPERT * weight.shape[0]:
+    expected_rows = rows if expected_rows is None else expected_rows
+    if x.is_cuda and bf16_grouped_gemm_op is not None and \
+            expected_rows <= SMALL_GROUPED_ROWS_PER_EXPERT * weight.shape[0]:
         return bf16_grouped_gemm_op(x, weight, group_ends, row_index)
     gathered = x if row_index is None else x[row_index]
     return torch._grouped_mm(gathered, weight.transpose(1, 2), offs=group_ends)

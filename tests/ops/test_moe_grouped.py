@@ -8,6 +8,7 @@ from pdserve.ops.moe_grouped import (
     CompiledGroupedMoE,
     GroupedMoE,
     counting_sort,
+    merge_sorted_blocks,
     radix_sort,
 )
 from tests.counting_backend import CountingBackend
@@ -51,8 +52,8 @@ def test_foreign_slots_are_left_out_of_the_grouped_gemms(monkeypatch):
     from pdserve.ops import moe_grouped
     computed_rows, grouped_linear = [], moe_grouped.grouped_linear
 
-    def grouped_linear_leaving_nan(x, weight, group_ends, row_index=None):
-        out = grouped_linear(x, weight, group_ends, row_index)
+    def grouped_linear_leaving_nan(x, weight, group_ends, row_index=None, expected_rows=None):
+        out = grouped_linear(x, weight, group_ends, row_index, expected_rows)
         end = int(group_ends[-1])
         computed_rows.append(end)
         out[end:] = float("nan")
@@ -98,6 +99,47 @@ def test_sorts_by_group_give_the_grouped_order_its_inverse_and_group_ends(rows, 
         assert all(torch.equal(a, b) for a, b in zip(traced, (order, inverse, group_ends)))
 
 
+@pytest.mark.parametrize("blocks,rows_per_block", [(1, 7), (2, 150), (4, 33), (3, 0)])
+def test_blocks_sorted_by_group_are_placed_as_a_stable_sort_places_them(blocks, rows_per_block):
+    gen = torch.Generator().manual_seed(blocks * 1000 + rows_per_block)
+    # each block sorted, odd groups empty, the last group (the exchange's padding) at each block's end
+    ids = torch.cat([torch.sort(torch.randint(0, 6, (rows_per_block,), generator=gen) * 2).values
+                     for _ in range(blocks)])
+    order, inverse, group_ends = merge_sorted_blocks(ids, 11, blocks)
+    assert torch.equal(order, torch.argsort(ids, stable=True))
+    assert torch.equal(inverse[order], torch.arange(ids.numel()))
+    assert group_ends.dtype == torch.int32
+    assert torch.equal(group_ends.long(), torch.bincount(ids, minlength=11).cumsum(0))
+    traced = torch.compile(merge_sorted_blocks, backend=CountingBackend(), fullgraph=True)(ids, 11, blocks)
+    assert all(torch.equal(a, b) for a, b in zip(traced, (order, inverse, group_ends)))
+
+
+def check_blocks_match_reference(device, blocks=2, rows_per_block=96, experts=16, first_expert=16,
+                                 expected_rows=None):
+    """forward_blocks on rows as the exchange delivers them (blocks sorted by expert, padding -1 at each block's end)
+    against TorchMoE on the same rows as tokens of one expert at weight 1; padding rows are not compared."""
+    x, _, _, w13, w2 = random_moe_inputs(device, num_tokens=blocks * rows_per_block, experts=experts)
+    gen = torch.Generator().manual_seed(1)
+    block_ids = []
+    for _ in range(blocks):
+        real = int(torch.randint(0, rows_per_block + 1, (1,), generator=gen))
+        ids = torch.sort(torch.randint(first_expert, first_expert + experts, (real,), generator=gen)).values
+        block_ids.append(torch.cat([ids, torch.full((rows_per_block - real,), -1)]))
+    ids = torch.cat(block_ids).to(device)
+    out = GroupedMoE().forward_blocks(x, ids, w13, w2, first_expert, blocks,
+                                       expected_rows=expected_rows or rows_per_block)
+    real = ids >= 0
+    ones = torch.ones(ids.shape[0], 1, device=device)
+    ref = TorchMoE().forward(x, ids[:, None], ones, w13, w2, first_expert)
+    assert 0 < int(real.sum()) < ids.numel()
+    assert not torch.isnan(out[real]).any()
+    assert rel_err(out[real], ref[real]) < 1e-2
+
+
+def test_grouped_moe_places_the_exchanges_sorted_blocks_without_a_sort():
+    check_blocks_match_reference("cpu")
+
+
 def test_grouped_moe_handles_experts_without_tokens():
     check_matches_reference("cpu", num_tokens=1, top_k=2)
 
@@ -106,6 +148,13 @@ def test_grouped_moe_handles_experts_without_tokens():
 @pytest.mark.parametrize("num_tokens", [1, 64, 4096])
 def test_grouped_moe_matches_torch_reference_on_gpu(num_tokens):
     check_matches_reference("cuda", num_tokens=num_tokens, hidden=2048, inter=1408, experts=64, top_k=6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows_per_block,expected_rows", [(8, 8), (1536, 1536), (1536, 3072)],
+                         ids=["triton-few", "triton-ep2-batch256", "cublas"])
+def test_grouped_moe_places_the_exchanges_sorted_blocks_on_gpu(rows_per_block, expected_rows):
+    check_blocks_match_reference("cuda", rows_per_block=rows_per_block, experts=32, expected_rows=expected_rows)
 
 
 @pytest.mark.gpu
