@@ -8,7 +8,9 @@ the step time then includes too. `--graphs` (CUDA, flashinfer) replays each batc
 graph holding the fixed-capacity exchange, as the engine runs them (pdserve/engine/cuda_graphs.py: sequences grow a
 token a step, each step's attention is planned while the previous one runs, and the host does not wait for the
 device between steps); the exchange is then not timed apart. `--trace-dir` writes each rank's profiled steps as a
-timeline and prints where its GPU sat idle (benchmarks/trace_gaps.py). `--ep-one-rank` makes a one-rank instance still exchange (with itself), to check the path on one GPU.
+timeline and prints where its GPU sat idle (benchmarks/trace_gaps.py). Graph steps also report the host's own time a
+step (the slowest rank's, waits for the device excluded): where it reaches the step time, the host sets the pace.
+`--ep-one-rank` makes a one-rank instance still exchange (with itself), to check the path on one GPU.
 
 `--variants` runs each EP size's steps several ways in one process (graphs captured afresh for each): `none` (the
 shared experts after the exchange), `shared` (the shared experts while the tokens travel: the engine's default),
@@ -27,7 +29,8 @@ peers' memory, pdserve/ops/peer_exchange.py, the shared experts after it; graphs
 import argparse
 import json
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -129,12 +132,14 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
                 finish(device)
                 dist.barrier()
                 exchange_before = moe.exchange.seconds if moe else 0.0
+                host_before = step.host_busy_s() if args.graphs else 0.0
                 started = time.perf_counter()
                 for _ in range(args.iters):
                     step()
                 finish(device)
                 step_s = (time.perf_counter() - started) / args.iters
                 exchange_s = ((moe.exchange.seconds if moe else 0.0) - exchange_before) / args.iters
+                host_s = ((step.host_busy_s() if args.graphs else 0.0) - host_before) / args.iters
                 overflowed = moe.overflowed_anywhere() if fixed else False
                 if args.profile or args.trace_dir:  # every rank steps (the exchange needs them all)
                     trace = Path(args.trace_dir) / f"ep{world_size}-batch{batch_size}-rank{rank}.json.gz" \
@@ -142,8 +147,8 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
                     _profile(step, f"EP{world_size} batch {batch_size}, rank 0" if rank == 0 and args.profile
                              else None, trace)
             results.put(dict(ranks=world_size, rank=rank, batch=batch_size, variant=variant, step_ms=step_s * 1e3,
-                             exchange_ms=exchange_s * 1e3, expert_gib=model.routed_expert_bytes() / 2**30,
-                             overflowed=overflowed))
+                             exchange_ms=exchange_s * 1e3, host_ms=host_s * 1e3,
+                             expert_gib=model.routed_expert_bytes() / 2**30, overflowed=overflowed))
             del kv_cache, step
             if on_cuda:
                 torch.cuda.empty_cache()
@@ -202,7 +207,26 @@ def graph_step(model, kv_cache, scratch_page: int, moe: ExpertParallelMoE | None
         slots = [pages[(n - 1) // page_size] * page_size + (n - 1) % page_size for pages, n in zip(page_ids, lens)]
         graphs.run(host_ids, [n - 1 for n in lens], slots, lens, page_ids)
         lens[:] = [n + 1 for n in lens]
-    return step
+    return GraphStep(step, graphs)
+
+
+@dataclass
+class GraphStep:
+    """graph_step's step, timing the host: `host_busy_s` is its time in the steps so far less the waits for a replay
+    before re-planning its capture (DecodeGraphs.device_wait_s). Where that is as long as the step, the host sets the
+    pace. (A graph launch that blocks on a full device queue still counts as host time.)"""
+
+    run: Callable[[], None]
+    graphs: DecodeGraphs
+    host_s: float = 0.0
+
+    def __call__(self) -> None:
+        started = time.perf_counter()
+        self.run()
+        self.host_s += time.perf_counter() - started
+
+    def host_busy_s(self) -> float:
+        return self.host_s - self.graphs.device_wait_s
 
 
 def main() -> None:
@@ -256,7 +280,8 @@ def main() -> None:
         for batch, variant in [(b, v) for b in args.batches for v in variants]:
             ranks = [r for r in per_rank if r["batch"] == batch and r["variant"] == variant]
             rows.append(dict(ranks=world_size, batch=batch, variant=variant, step_ms=max(r["step_ms"] for r in ranks),
-                             exchange_ms=max(r["exchange_ms"] for r in ranks), expert_gib=ranks[0]["expert_gib"]))
+                             exchange_ms=max(r["exchange_ms"] for r in ranks), host_ms=max(r["host_ms"] for r in ranks),
+                             expert_gib=ranks[0]["expert_gib"]))
             # at once: a later instance size that hangs or runs out of time must not take these figures with it
             print(f"EP{world_size} batch {batch} {variant}: step {rows[-1]['step_ms']:.2f} ms, exchange "
                   f"{rows[-1]['exchange_ms']:.2f} ms", flush=True)
@@ -268,14 +293,15 @@ def main() -> None:
     kind = "CUDA-graph" if args.graphs else "eager"
     print(f"\n{device_name}; context {args.context}; {args.dtype}; step = slowest rank's {kind} decode step; "
           f"exchange: {args.exchange}" + (f"; skipped (not enough devices): {skipped}" if skipped else ""))
-    print("| ranks | batch per rank | overlap | step (ms) | exchange (ms) | exchange share | tokens/s (all ranks) "
-          "| expert weights per rank (GiB) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| ranks | batch per rank | overlap | step (ms) | host (ms) | exchange (ms) | exchange share "
+          "| tokens/s (all ranks) | expert weights per rank (GiB) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         tokens_per_s = row["ranks"] * row["batch"] / (row["step_ms"] / 1e3)
         exchange_ms = row["exchange_ms"] if not args.graphs else _exposed_ms(row, rows)
         exchange = "- | -" if exchange_ms is None else f"{exchange_ms:.2f} | {exchange_ms / row['step_ms']:.0%}"
-        print(f"| {row['ranks']} | {row['batch']} | {row['variant']} | {row['step_ms']:.2f} | {exchange} | "
+        host = f"{row['host_ms']:.2f}" if args.graphs else "-"
+        print(f"| {row['ranks']} | {row['batch']} | {row['variant']} | {row['step_ms']:.2f} | {host} | {exchange} | "
               f"{tokens_per_s:,.0f} | {row['expert_gib']:.2f} |")
 
 

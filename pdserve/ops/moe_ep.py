@@ -265,11 +265,11 @@ class ExpertParallelMoE:
                                 self.fixed_tokens * k)
 
         combine_started = self._clock()
-        # the spare row stays zero: a dropped pair reads it
+        # a spare row past the returned ones, which dropped pairs read (as zero: combine_returned selects it out)
         if peer is not None and peer.fits(1, (expert_out,), spare_rows=1):
             back = peer.all_to_all(1, (expert_out,), spare_rows=1)[0]
         else:
-            back = x.new_zeros(rows + 1, x.shape[1])
+            back = x.new_empty(rows + 1, x.shape[1])
             _wait([self._all_to_all(back[:rows], expert_out)])
         self._count(started, dispatched, combine_started, num_pairs)
         self.exchange.fixed_calls += 1
@@ -319,7 +319,8 @@ def place_pairs(x: torch.Tensor, topk_ids: torch.Tensor, experts_per_rank: int, 
     place = torch.arange(num_pairs, device=x.device) - (torch.cumsum(counts, 0) - counts)[sorted_owner]
     rows = world_size * capacity
     slot = torch.where(place < capacity, sorted_owner * capacity + place, rows)
-    send_x = x.new_zeros(rows + 1, x.shape[1]).index_copy_(0, slot, x[torch.div(order, k, rounding_mode="floor")])
+    # padding rows left unset: no expert computes them (their ids are -1) and no pair reads what comes back for them
+    send_x = x.new_empty(rows + 1, x.shape[1]).index_copy_(0, slot, x[torch.div(order, k, rounding_mode="floor")])
     send_ids = flat_ids.new_full((rows + 1,), -1).index_copy_(0, slot, flat_ids[order])
     return send_x[:rows], send_ids[:rows], order, slot, (counts > capacity).any()
 
@@ -336,11 +337,11 @@ def owned_rows(local: MoEBackend, recv_x: torch.Tensor, recv_ids: torch.Tensor, 
 
 def combine_returned(back: torch.Tensor, order: torch.Tensor, slot: torch.Tensor, topk_ids: torch.Tensor,
                      topk_weights: torch.Tensor) -> torch.Tensor:
-    """Each token's weighted sum of its pairs' expert outputs, read from the returned rows `back` ([R C + 1, hidden],
-    the last row zero for dropped pairs) at the slots place_pairs gave them."""
+    """Each token's weighted sum of its pairs' expert outputs, read from the returned rows `back` ([R C + 1, hidden])
+    at the slots place_pairs gave them; a dropped pair (slot R C, the spare row, whatever it holds) adds zero."""
     num_tokens, k = topk_ids.shape
     per_pair = torch.empty(num_tokens * k, back.shape[1], dtype=back.dtype, device=back.device)
-    per_pair[order] = back[slot]
+    per_pair[order] = torch.where((slot < back.shape[0] - 1)[:, None], back[slot], 0)
     return _combine(per_pair.view(num_tokens, k, back.shape[1]), topk_ids, topk_weights, back.dtype)
 
 

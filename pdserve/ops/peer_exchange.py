@@ -64,7 +64,7 @@ class PeerExchange:
     def all_to_all(self, region: int, tensors: Sequence[torch.Tensor], spare_rows: int = 0) -> list[torch.Tensor]:
         """For each tensor ([R x C rows, ...], contiguous), rows [p C, p C + C) go to rank p, and the result holds
         what came, by sender (what all_to_all_single with equal splits returns), as a view of this rank's buffer,
-        valid until `region`'s next exchange. The last tensor's result has `spare_rows` more rows, zero. One barrier
+        valid until `region`'s next exchange. The last tensor's result has `spare_rows` more rows, unset. One barrier
         for all of them."""
         if not self.fits(region, tensors, spare_rows):
             raise ValueError(f"{self._bytes_needed(tensors, spare_rows)} bytes do not fit region {region} "
@@ -79,10 +79,7 @@ class PeerExchange:
                 view[self.rank].copy_(shares[peer])
             rows = tensor.shape[0] + (spare_rows if index == len(tensors) - 1 else 0)
             mine = self._buffer[offset:offset + rows * _row_bytes(tensor)].view(tensor.dtype)
-            mine = mine.view(rows, *tensor.shape[1:])
-            if rows > tensor.shape[0]:
-                mine[tensor.shape[0]:].zero_()
-            received.append(mine)
+            received.append(mine.view(rows, *tensor.shape[1:]))
             offset += _aligned(rows * _row_bytes(tensor))
         self._handle.barrier(channel=0)
         return received

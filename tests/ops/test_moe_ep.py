@@ -7,7 +7,13 @@ from spawned_ranks import run_spawned_ranks
 
 from pdserve.http.ports import free_port
 from pdserve.ops.moe import TorchMoE
-from pdserve.ops.moe_ep import CompiledExpertParallelMoE, ExpertParallelMoE, expert_owner_range
+from pdserve.ops.moe_ep import (
+    CompiledExpertParallelMoE,
+    ExpertParallelMoE,
+    combine_returned,
+    expert_owner_range,
+    place_pairs,
+)
 from tests.counting_backend import CountingBackend
 
 NUM_EXPERTS, HIDDEN, INTER, TOP_K = 8, 32, 16, 3
@@ -117,6 +123,24 @@ def test_an_overflowing_fixed_capacity_exchange_is_seen_by_every_rank_once():
     port = free_port()
     got = run_spawned_ranks(_overflow_rank, [(r, 2, port) for r in range(2)], 60)
     assert got[0] == got[1] == [False, True, True, True, False, 1]
+
+
+def test_dropped_pairs_add_zero_whatever_the_spare_row_and_padding_rows_hold():
+    """Nothing zeroes the send buffers' padding rows nor the spare row dropped pairs read: the combine must select
+    zero for a dropped pair even where those rows hold NaN."""
+    x = torch.arange(1, 5, dtype=torch.float32)[:, None].expand(4, HIDDEN).contiguous()
+    ids = torch.tensor([[0, 5], [4, 6], [5, 1], [7, 4]])  # rank 1 (experts 4-7) gets 6 pairs, 4 of them fit
+    weights = torch.full((4, 2), 0.5)
+    send_x, send_ids, order, slot, overflowed = place_pairs(x, ids, 4, 2, capacity=4)
+    assert overflowed.item() and int((slot == 8).sum()) == 2
+    assert torch.equal(send_ids, torch.tensor([0, 1, -1, -1, 4, 4, 5, 5]))  # each block sorted by expert
+    back = torch.full((9, HIDDEN), float("nan"))
+    back[:8][send_ids >= 0] = send_x[send_ids >= 0]  # experts as the identity: each real row comes back as sent
+    out = combine_returned(back, order, slot, ids, weights)
+    kept = torch.zeros(4, 2)
+    kept.view(-1)[order[slot < 8]] = 1.0
+    assert not torch.isnan(out).any()
+    assert torch.equal(out, x * (kept * weights).sum(dim=1, keepdim=True))
 
 
 GPU_EXPERTS, GPU_HIDDEN, GPU_INTER, GPU_TOP_K = 16, 256, 128, 4
