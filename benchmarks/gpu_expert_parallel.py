@@ -80,8 +80,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
     device = torch.device(f"cuda:{rank}" if on_cuda else "cpu")
     if on_cuda:
         torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(1)
+    torch.set_num_threads(1)  # as a worker's rank runs (pdserve/worker/rank_actors.py)
     dtype = getattr(torch, args.dtype)
     dist.init_process_group("nccl" if on_cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, device_id=device if on_cuda else None)

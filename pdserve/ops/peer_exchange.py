@@ -1,9 +1,10 @@
 """Equal-split all-to-alls between the GPUs of one host as direct writes into each other's memory (NVLink).
 
 Every rank allocates one buffer in torch's symmetric memory, which maps each rank's buffer into every other rank's
-address space. An all-to-all then is: for each peer, one copy of its share into that peer's buffer, at this rank's
-slot; then a barrier kernel (a signal to and a wait on every peer, on the device), after which every share sent to
-this rank has landed. Nothing waits on the host, so a CUDA graph holds it, as it holds NCCL's all_to_all_single.
+address space. An all-to-all then is: one kernel that writes each peer's share into that peer's buffer, at this
+rank's slot (pdserve/ops/peer_writes_triton.py); then a barrier kernel (a signal to and a wait on every peer, on the
+device), after which every share sent to this rank has landed. Nothing waits on the host, so a CUDA graph holds it,
+as it holds NCCL's all_to_all_single.
 It moves the same bytes as NCCL's equal-split all_to_all_single with less around them: no proxy, no chunking into
 NCCL's own buffers, and one barrier for several tensors (a dispatch's rows and their expert ids).
 
@@ -55,8 +56,10 @@ class PeerExchange:
         os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
         self._buffer = symmetric_memory.empty(self._region_starts[-1], dtype=torch.uint8, device=device)
         self._handle = symmetric_memory.rendezvous(self._buffer, group)
-        # peers' views by (byte offset, shape, dtype): made once, then every exchange of that shape reuses them
-        self._peer_views: dict[tuple, list[torch.Tensor]] = {}
+        # every rank's buffer as mapped here, by rank: where the write kernel stores each peer's share
+        self._peer_bases = torch.tensor(
+            [self._handle.get_buffer(peer, (self._region_starts[-1],), torch.uint8, 0).data_ptr()
+             for peer in range(self.world_size)], dtype=torch.int64, device=device)
 
     def fits(self, region: int, tensors: Sequence[torch.Tensor], spare_rows: int = 0) -> bool:
         return self._bytes_needed(tensors, spare_rows) <= self._region_starts[region + 1] - self._region_starts[region]
@@ -69,30 +72,23 @@ class PeerExchange:
         if not self.fits(region, tensors, spare_rows):
             raise ValueError(f"{self._bytes_needed(tensors, spare_rows)} bytes do not fit region {region} "
                              f"({self._region_starts[region + 1] - self._region_starts[region]} bytes)")
+        from pdserve.ops.peer_writes_triton import write_shares  # triton: on CUDA hosts only
+
         offset = self._region_starts[region]
-        received = []
+        received, offsets = [], []
         for index, tensor in enumerate(tensors):
             if tensor.shape[0] % self.world_size:
                 raise ValueError(f"{tensor.shape[0]} rows do not split evenly over {self.world_size} ranks")
-            shares = tensor.view(self.world_size, tensor.shape[0] // self.world_size, *tensor.shape[1:])
-            for peer, view in enumerate(self._peers(offset, shares.shape, tensor.dtype)):
-                view[self.rank].copy_(shares[peer])
             rows = tensor.shape[0] + (spare_rows if index == len(tensors) - 1 else 0)
             mine = self._buffer[offset:offset + rows * _row_bytes(tensor)].view(tensor.dtype)
             received.append(mine.view(rows, *tensor.shape[1:]))
+            offsets.append(offset)
             offset += _aligned(rows * _row_bytes(tensor))
+        for first in range(0, len(tensors), 2):  # the kernel writes two tensors at a time
+            write_shares(self._peer_bases, self.rank, list(tensors[first:first + 2]), offsets[first:first + 2])
         self._handle.barrier(channel=0)
         return received
 
     def _bytes_needed(self, tensors: Sequence[torch.Tensor], spare_rows: int) -> int:
         return sum(_aligned((t.shape[0] + (spare_rows if i == len(tensors) - 1 else 0)) * _row_bytes(t))
                    for i, t in enumerate(tensors))
-
-    def _peers(self, offset: int, shape: torch.Size, dtype: torch.dtype) -> list[torch.Tensor]:
-        key = (offset, tuple(shape), dtype)
-        views = self._peer_views.get(key)
-        if views is None:
-            element_offset = offset // dtype.itemsize
-            views = self._peer_views[key] = [self._handle.get_buffer(peer, tuple(shape), dtype, element_offset)
-                                             for peer in range(self.world_size)]
-        return views

@@ -60,8 +60,11 @@ class RankActor:
         from pdserve.worker.rank_runtime import RankRuntime
 
         cfg = msgspec.json.decode(cfg_json, type=RankConfig)
-        if cfg.engine.device == "cpu" or not torch.cuda.is_available():
-            torch.set_num_threads(1)  # ranks share the host's cores; one thread each avoids oversubscription
+        # One intra-op thread, on the GPU too: ranks share the host's cores, and a GPU rank's own tensor work on the
+        # host is small (attention plans, step metadata), which a pool of threads per rank only slows: with one pool
+        # each, two expert-parallel H200 ranks spent 11 ms of host time a decode step, 3 with one thread
+        # (docs/benchmarks.md, "One host thread per GPU rank").
+        torch.set_num_threads(1)
         # The transfer thread gets the GIL within this long of asking even while the step thread runs Python (the
         # default 5 ms would add up to 5 ms to every KV write's completion and notification).
         sys.setswitchinterval(cfg.gil_switch_interval_s)
