@@ -63,7 +63,8 @@ class RankActor:
         # One intra-op thread, on the GPU too: ranks share the host's cores, and a GPU rank's own tensor work on the
         # host is small (attention plans, step metadata), which a pool of threads per rank only slows: with one pool
         # each, two expert-parallel H200 ranks spent 11 ms of host time a decode step, 3 with one thread
-        # (docs/benchmarks.md, "One host thread per GPU rank").
+        # (docs/benchmarks.md, "One host thread per GPU rank"). Ray's OMP_NUM_THREADS=1 for actors that ask no CPU
+        # does the same unless the environment sets it; this holds either way.
         torch.set_num_threads(1)
         # The transfer thread gets the GIL within this long of asking even while the step thread runs Python (the
         # default 5 ms would add up to 5 ms to every KV write's completion and notification).
