@@ -15,9 +15,10 @@ def add_router_parser(subparsers: argparse._SubParsersAction) -> None:
 def main_router(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from pdserve.http.slow_clients import KEEP_ALIVE_S, SlowClientLimits, bounded_http
+    from pdserve.http.slow_clients import KEEP_ALIVE_S, SlowClientLimits
     from pdserve_router.app import build_router_app
     from pdserve_router.config import router_config_from_args
+    from pdserve_router.hot_routes import hot_route_http
 
     config = router_config_from_args(args)
     print(f"pdserve router: serving {config.model_name} on http://{config.host}:{config.port}", flush=True)
@@ -28,7 +29,7 @@ def main_router(args: argparse.Namespace) -> int:
     gc.freeze()
     # On SIGTERM uvicorn stops accepting and lets the streams in flight finish, for at most drain_timeout_s.
     # No access log and no X-Forwarded-* rewriting: the router reads neither, and both cost every request.
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", http=bounded_http(limits),
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", http=hot_route_http(limits, app),
                 timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=config.drain_timeout_s,
                 access_log=False, proxy_headers=False)
     return 0

@@ -196,7 +196,8 @@ class InProcessCluster(StartedCluster):
         info, ready_s = await describe_worker(worker, ranks, started)
         app = build_worker_app(worker, RankSet(ranks, stuck_after_s=worker.stuck_step_timeout_s), info,
                                handoff_guard(worker), DrainGate(), ready_s)
-        served = await self._serve(name, worker.url, app, SlowClientLimits(worker.request_read_timeout_s), sock)
+        served = await self._serve(name, worker.url, app, bounded_http(SlowClientLimits(worker.request_read_timeout_s)),
+                                   sock)
         served.ranks = ranks
         return served
 
@@ -206,6 +207,7 @@ class InProcessCluster(StartedCluster):
     async def _start_router(self, sock: socket.socket) -> ServedApp:
         from pdserve_router.app import build_router_app
         from pdserve_router.config import add_router_arguments, router_config_from_args
+        from pdserve_router.hot_routes import hot_route_http
 
         parser = argparse.ArgumentParser()
         add_router_arguments(parser)
@@ -213,12 +215,13 @@ class InProcessCluster(StartedCluster):
         args = parser.parse_args(router_flags(self.cfg, [w.url for w in self.workers], port, self._pool_files))
         config = dataclasses.replace(router_config_from_args(args), internal_token=self.internal_token)
         limits = SlowClientLimits(config.request_read_timeout_s, config.send_stall_timeout_s)
-        return await self._serve("router", f"http://127.0.0.1:{port}", build_router_app(config), limits, sock)
+        app = build_router_app(config)
+        return await self._serve("router", f"http://127.0.0.1:{port}", app, hot_route_http(limits, app), sock)
 
     @staticmethod
-    async def _serve(name: str, url: str, app: Any, limits: SlowClientLimits, sock: socket.socket) -> ServedApp:
+    async def _serve(name: str, url: str, app: Any, protocol: type[asyncio.Protocol], sock: socket.socket) -> ServedApp:
         # log_config None: uvicorn leaves this process's logging alone, and its errors reach the root logger.
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", log_config=None, http=bounded_http(limits),
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", log_config=None, http=protocol,
                                                 timeout_keep_alive=KEEP_ALIVE_S))
         served = ServedApp(name, url, server, asyncio.create_task(server.serve(sockets=[sock]), name=name))
         while not server.started:

@@ -1,5 +1,9 @@
-"""Scratch gate: the router's CPU a request at concurrency 16 (non-streaming) served by uvicorn, against the same app's
-hot handler behind a bare httptools protocol (one write a response), in one process, alternating."""
+"""Scratch gate: the router's CPU a request at concurrency 16 (non-streaming), one process serving the same router app
+three ways on three ports, rows alternating: uvicorn with the ASGI layer (as `pdserve router` served before
+router/hot_routes.py's protocol), uvicorn with that protocol (hot POSTs without the ASGI messages; run 3 ran an inline
+copy of it, which became hot_routes.py), and a bare httptools protocol handing a hot POST to its handler (a measure,
+not a server). Run from the repository root: `ROUNDS=5 python docs/bench-cpu/router-bare-front-2026-11-28/front_gate.py
+run`."""
 import argparse, asyncio, gc, os, secrets, subprocess, sys, tempfile, time
 from pathlib import Path
 sys.path.insert(0, "benchmarks")
@@ -9,7 +13,7 @@ os.environ[TOKEN_ENV] = os.environ["PDSERVE_INTERNAL_TOKEN"]
 import router_overhead as ro
 from pdserve.http.ports import free_port
 
-def serve(model_dir, stand_in_url, p_uv, p_raw):
+def serve(model_dir, stand_in_url, p_uv, p_raw, p_hyb):
     import httptools, uvicorn, uvloop
     from starlette.requests import Request
     from pdserve.http.slow_clients import KEEP_ALIVE_S, SlowClientLimits, bounded_http
@@ -49,7 +53,13 @@ def serve(model_dir, stand_in_url, p_uv, p_raw):
             head.append(b"\r\n")
             self.t.write(b"".join(head) + response.body)
 
+    from pdserve_router.hot_routes import hot_route_http
+
     async def main():
+        hybrid = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=p_hyb, log_level="warning", http=hot_route_http(SlowClientLimits(), app),
+                                               timeout_keep_alive=KEEP_ALIVE_S, access_log=False, proxy_headers=False,
+                                               lifespan="off"))
+        asyncio.get_running_loop().create_task(hybrid.serve())
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=p_uv, log_level="warning",
                                                http=bounded_http(SlowClientLimits()), timeout_keep_alive=KEEP_ALIVE_S,
                                                access_log=False, proxy_headers=False))
@@ -60,22 +70,23 @@ def serve(model_dir, stand_in_url, p_uv, p_raw):
 
 if __name__ == "__main__":
     if sys.argv[1] == "serve":
-        serve(*sys.argv[2:4], int(sys.argv[4]), int(sys.argv[5])); sys.exit()
+        serve(*sys.argv[2:4], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])); sys.exit()
     from pdserve.model.tiny import make_tiny_model
     model_dir = make_tiny_model(Path(tempfile.mkdtemp(prefix="front-exp-")) / "model")
-    sp, pu, pr = free_port(), free_port(), free_port()
+    sp, pu, pr, ph = free_port(), free_port(), free_port(), free_port()
     stand = subprocess.Popen([sys.executable, "benchmarks/router_overhead.py", "stand-in", "--port", str(sp), "--token-interval-ms", "0"])
     ro.wait_up(f"http://127.0.0.1:{sp}", "/health")
-    srv = subprocess.Popen([sys.executable, __file__, "serve", str(model_dir), f"http://127.0.0.1:{sp}", str(pu), str(pr)])
+    srv = subprocess.Popen([sys.executable, __file__, "serve", str(model_dir), f"http://127.0.0.1:{sp}", str(pu), str(pr), str(ph)])
     try:
         ro.wait_up(f"http://127.0.0.1:{pu}", "/ready")
         asyncio.run(ro.load(f"http://127.0.0.1:{pr}", 16, 200, False, 64))  # the raw front answers too
+        asyncio.run(ro.load(f"http://127.0.0.1:{ph}", 16, 200, False, 64))  # and the hybrid
         print("| round | front | req/s | share of direct | p50 ms | router CPU us / request |")
         print("| --- | --- | ---: | ---: | ---: | ---: |")
         for rnd in range(int(os.environ.get("ROUNDS", "4"))):
             direct = asyncio.run(ro.load(f"http://127.0.0.1:{sp}", 16, 3000, False, 64))
             print(f"| {rnd} | direct (stand-in) | {direct['req_s']:.0f} | 1.00 | {direct['p50_ms']:.2f} | - |", flush=True)
-            for name, port in (("uvicorn (as served)", pu), ("bare httptools front", pr)):
+            for name, port in (("uvicorn, ASGI layer", pu), ("uvicorn, hot_route_http", ph), ("bare httptools front", pr)):
                 c0 = ro.cpu_seconds(srv.pid)
                 r = asyncio.run(ro.load(f"http://127.0.0.1:{port}", 16, 3000, False, 64))
                 c1 = ro.cpu_seconds(srv.pid)
