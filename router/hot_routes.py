@@ -59,7 +59,8 @@ class HotRouteHttpTools(SlowClientBoundedHttpTools):
     def _start_asgi_task(self, cycle: RequestResponseCycle, app) -> None:
         scope = cycle.scope
         # `app` is not the server's own where uvicorn answers for itself (past its concurrency limit)
-        handler = self.router_app.hot_posts.get(scope["path"]) if scope["method"] == "POST" and app is self.app else None
+        hot = scope["method"] == "POST" and app is self.app
+        handler = self.router_app.hot_posts.get(scope["path"]) if hot else None
         if handler is None:
             return super()._start_asgi_task(cycle, app)
 
