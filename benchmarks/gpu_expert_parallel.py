@@ -11,6 +11,10 @@ device between steps); the exchange is then not timed apart. `--trace-dir` write
 timeline and prints where its GPU sat idle (benchmarks/trace_gaps.py). Graph steps also report the host's own time a
 step (the slowest rank's, waits for the device excluded): where it reaches the step time, the host sets the pace.
 `--ep-one-rank` makes a one-rank instance still exchange (with itself), to check the path on one GPU.
+`--router-skew` measures what an uneven expert load costs: each skew S scales every MoE layer's router rows of rank
+0's experts (the first 1/R of them) by 1 + S, so those experts win the top-k more often, and reports the share of the
+(token, expert) pairs they got, counted as the engine counts them (pdserve/ops/expert_load.py). The counts are
+recorded at every skew, 0 included, as a worker records them.
 
 `--variants` runs each EP size's steps several ways in one process (graphs captured afresh for each): `none` (the
 shared experts after the exchange), `shared` (the shared experts while the tokens travel: the engine's default),
@@ -22,6 +26,7 @@ peers' memory, pdserve/ops/peer_exchange.py, the shared experts after it; graphs
     python benchmarks/gpu_expert_parallel.py --ranks 1,2 --batches 64,256 --graphs   # EP1 graph vs EP2 graph
     python benchmarks/gpu_expert_parallel.py --ranks 1,2 --batches 256 --graphs --variants none,shared,no-transfer
     python benchmarks/gpu_expert_parallel.py --ranks 2 --batches 64,256 --graphs --variants shared,peer,no-transfer
+    python benchmarks/gpu_expert_parallel.py --ranks 2 --batches 256 --graphs --variants peer --router-skew 0,0.3,0.6
     python benchmarks/gpu_expert_parallel.py --device cpu --dtype float32 --layers 2 --ranks 1,2 --batches 2 \
         --context 32 --iters 2 --exchange fixed                                 # smoke run (gloo)
 """
@@ -46,6 +51,7 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.loader import build_model
 from pdserve.model.random_init import init_random_weights
 from pdserve.ops.attention import new_kv_pool
+from pdserve.ops.expert_load import ExpertLoad
 from pdserve.ops.moe import ExpertRange
 from pdserve.ops.moe_ep import CompiledExpertParallelMoE, ExpertParallelMoE
 from pdserve.ops.select import select_backends
@@ -90,6 +96,8 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
             raw["num_hidden_layers"] = args.layers
         cfg = ModelConfig.from_dict(raw)
         backends = select_backends(args.attention, args.moe, device, dtype)
+        backends = replace(backends, expert_load=ExpertLoad.zeros(cfg.num_hidden_layers, cfg.n_routed_experts,
+                                                                  device))  # as the engine counts them
         experts, moe = None, None
         exchanges = world_size > 1 or args.ep_one_rank
         if exchanges:
@@ -100,7 +108,16 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
         model = init_random_weights(build_model(cfg, backends, device, dtype, experts), seed=rank)
         # as the engine decides: the layers' own work (and the exchange's) compiled into the graphs where it runs them
         compiled = compile_layers(model) if args.graphs and wants_compiled_layers(args.compile_layers, model) else None
-        for batch_size, variant in [(b, v) for b in args.batches for v in (args.variants if exchanges else ["-"])]:
+        routers = [layer.mlp.gate.weight for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+        unskewed = [weight.detach().clone() for weight in routers]
+        hot = slice(0, cfg.n_routed_experts // world_size)  # rank 0's experts
+        cases = [(b, v, s) for b in args.batches for v in (args.variants if exchanges else ["-"])
+                 for s in args.router_skew]
+        for batch_size, variant, skew in cases:
+            with torch.no_grad():
+                for weight, base in zip(routers, unskewed):
+                    weight.copy_(base)
+                    weight[hot] *= 1 + skew
             if exchanges:
                 moe = (LocalCopyExchange if variant == "no-transfer" else ExpertParallelMoE)(
                     None, cfg.n_routed_experts, backends.moe.local, sync_timing=not args.graphs,
@@ -130,6 +147,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
                     step()
                 finish(device)
                 dist.barrier()
+                counts_before = backends.expert_load.counts.sum(0)
                 exchange_before = moe.exchange.seconds if moe else 0.0
                 host_before = step.host_busy_s() if args.graphs else 0.0
                 started = time.perf_counter()
@@ -140,12 +158,14 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
                 exchange_s = ((moe.exchange.seconds if moe else 0.0) - exchange_before) / args.iters
                 host_s = ((step.host_busy_s() if args.graphs else 0.0) - host_before) / args.iters
                 overflowed = moe.overflowed_anywhere() if fixed else False
+                pairs = backends.expert_load.counts.sum(0) - counts_before
                 if args.profile or args.trace_dir:  # every rank steps (the exchange needs them all)
                     trace = Path(args.trace_dir) / f"ep{world_size}-batch{batch_size}-rank{rank}.json.gz" \
                         if args.trace_dir else None
                     _profile(step, f"EP{world_size} batch {batch_size}, rank 0" if rank == 0 and args.profile
                              else None, trace)
-            results.put(dict(ranks=world_size, rank=rank, batch=batch_size, variant=variant, step_ms=step_s * 1e3,
+            results.put(dict(ranks=world_size, rank=rank, batch=batch_size, variant=variant, skew=skew,
+                             pairs=pairs.tolist(), step_ms=step_s * 1e3,
                              exchange_ms=exchange_s * 1e3, host_ms=host_s * 1e3,
                              expert_gib=model.routed_expert_bytes() / 2**30, overflowed=overflowed))
             del kv_cache, step
@@ -253,7 +273,10 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="rank 0 prints its kernels by device time")
     parser.add_argument("--trace-dir", help="each rank writes its profiled steps' timeline here and prints its idle "
                                             "gaps")
+    parser.add_argument("--router-skew", default="0", help="comma-separated: rank 0's experts' router rows scaled "
+                        "by 1 + S (an uneven expert load)")
     args = parser.parse_args()
+    args.router_skew = [float(s) for s in args.router_skew.split(",")]
     if args.graphs:
         if args.device != "cuda":
             parser.error("--graphs needs --device cuda (flashinfer attention)")
@@ -275,15 +298,19 @@ def main() -> None:
         mp.start_processes(_rank_main, args=(world_size, free_port(), args, results), nprocs=world_size,
                            start_method="spawn", join=True)
         variants = args.variants if world_size > 1 or args.ep_one_rank else ["-"]
-        per_rank = [results.get(timeout=60) for _ in range(world_size * len(args.batches) * len(variants))]
-        for batch, variant in [(b, v) for b in args.batches for v in variants]:
-            ranks = [r for r in per_rank if r["batch"] == batch and r["variant"] == variant]
-            rows.append(dict(ranks=world_size, batch=batch, variant=variant, step_ms=max(r["step_ms"] for r in ranks),
-                             exchange_ms=max(r["exchange_ms"] for r in ranks), host_ms=max(r["host_ms"] for r in ranks),
-                             expert_gib=ranks[0]["expert_gib"]))
+        cases = [(b, v, s) for b in args.batches for v in variants for s in args.router_skew]
+        per_rank = [results.get(timeout=60) for _ in range(world_size * len(cases))]
+        for batch, variant, skew in cases:
+            ranks = [r for r in per_rank if (r["batch"], r["variant"], r["skew"]) == (batch, variant, skew)]
+            pairs = torch.tensor([r["pairs"] for r in ranks]).sum(0)
+            rows.append(dict(ranks=world_size, batch=batch, variant=variant, skew=skew,
+                             hot_share=(pairs[: len(pairs) // world_size].sum() / pairs.sum()).item(),
+                             step_ms=max(r["step_ms"] for r in ranks), exchange_ms=max(r["exchange_ms"] for r in ranks),
+                             host_ms=max(r["host_ms"] for r in ranks), expert_gib=ranks[0]["expert_gib"]))
             # at once: a later instance size that hangs or runs out of time must not take these figures with it
-            print(f"EP{world_size} batch {batch} {variant}: step {rows[-1]['step_ms']:.2f} ms, exchange "
-                  f"{rows[-1]['exchange_ms']:.2f} ms", flush=True)
+            print(f"EP{world_size} batch {batch} {variant} skew {skew}: step {rows[-1]['step_ms']:.2f} ms, exchange "
+                  f"{rows[-1]['exchange_ms']:.2f} ms, rank 0's experts took {rows[-1]['hot_share']:.1%} of the pairs",
+                  flush=True)
             if any(r["overflowed"] for r in ranks):
                 print(f"EP{world_size} batch {batch}: the fixed exchange overflowed (some figures are of dropped "
                       "pairs); raise --capacity-factor", flush=True)
@@ -292,21 +319,23 @@ def main() -> None:
     kind = "CUDA-graph" if args.graphs else "eager"
     print(f"\n{device_name}; context {args.context}; {args.dtype}; step = slowest rank's {kind} decode step; "
           f"exchange: {args.exchange}" + (f"; skipped (not enough devices): {skipped}" if skipped else ""))
-    print("| ranks | batch per rank | overlap | step (ms) | host (ms) | exchange (ms) | exchange share "
-          "| tokens/s (all ranks) | expert weights per rank (GiB) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| ranks | batch per rank | overlap | router skew | rank 0's experts' share of pairs | step (ms) | host (ms) "
+          "| exchange (ms) | exchange share | tokens/s (all ranks) | expert weights per rank (GiB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         tokens_per_s = row["ranks"] * row["batch"] / (row["step_ms"] / 1e3)
         exchange_ms = row["exchange_ms"] if not args.graphs else _exposed_ms(row, rows)
         exchange = "- | -" if exchange_ms is None else f"{exchange_ms:.2f} | {exchange_ms / row['step_ms']:.0%}"
         host = f"{row['host_ms']:.2f}" if args.graphs else "-"
-        print(f"| {row['ranks']} | {row['batch']} | {row['variant']} | {row['step_ms']:.2f} | {host} | {exchange} | "
+        print(f"| {row['ranks']} | {row['batch']} | {row['variant']} | {row['skew']:g} | {row['hot_share']:.1%} | "
+              f"{row['step_ms']:.2f} | {host} | {exchange} | "
               f"{tokens_per_s:,.0f} | {row['expert_gib']:.2f} |")
 
 
 def _exposed_ms(row: dict, rows: list[dict]) -> float | None:
     """Graph steps: the exchange's exposed time, the step less the same step with no transfer (when run)."""
-    base = [r for r in rows if (r["ranks"], r["batch"], r["variant"]) == (row["ranks"], row["batch"], "no-transfer")]
+    base = [r for r in rows if (r["ranks"], r["batch"], r["variant"], r["skew"]) ==
+            (row["ranks"], row["batch"], "no-transfer", row["skew"])]
     return row["step_ms"] - base[0]["step_ms"] if base and row["variant"] not in ("-", "no-transfer") else None
 
 

@@ -7,7 +7,8 @@ pdserve.ops.fp8_gemm runs); bf16 = F.linear / torch._grouped_mm on the same weig
 to a float32 product of the same activations and dequantized weights: `rel` = ||out - ref|| / ||ref||, `max` =
 max |out - ref| / max |ref|. Needs only torch and triton; about a minute including Triton's compiles.
 
-    python benchmarks/gpu_fp8_gemm.py
+    python benchmarks/gpu_fp8_gemm.py                # each row: 3 rounds of bf16 then FP8, medians
+    python benchmarks/gpu_fp8_gemm.py --prefill-only --rounds 5
     python benchmarks/gpu_fp8_gemm.py --flashinfer   # also flashinfer's SM90 block-scale GEMM on the dense shapes
     TRITON_INTERPRET=1 python benchmarks/gpu_fp8_gemm.py --smoke     # tiny shapes, any device (a check of the script)
 
@@ -17,6 +18,7 @@ activations quantized inside, JIT-compiled on first use: ~2 minutes) beside cuBL
 
 import argparse
 import functools
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +55,7 @@ class Row:
     fp8_max: float
     bf16_rel: float
     flashinfer_ms: float | None = None  # --flashinfer: its SM90 block-scale GEMM, where it takes the shape
+    speedups: tuple[float, float] = (float("nan"), float("nan"))  # lowest and highest bf16/FP8 of one round
 
 
 def random_fp8(shape: tuple[int, ...], device: torch.device, seed: int) -> BlockFP8Weight:
@@ -97,12 +100,23 @@ def time_ms(fn: Callable[[], torch.Tensor], device: torch.device, min_s: float =
     return begin.elapsed_time(end) / (replays * per_graph)
 
 
+def paired_ms(bf16: Callable[[], torch.Tensor], fp8: Callable[[], torch.Tensor], device: torch.device,
+              rounds: int) -> tuple[float, float, tuple[float, float]]:
+    """bf16's and FP8's median times over `rounds` rounds, each timing one then the other (the GPU's clocks drift
+    between runs: a ratio is fairest within a round), and the lowest and highest speed-up of a round."""
+    times = [(time_ms(bf16, device), time_ms(fp8, device)) for _ in range(rounds)]
+    ratios = [b / f for b, f in times]
+    return (statistics.median(b for b, _ in times), statistics.median(f for _, f in times),
+            (min(ratios), max(ratios)))
+
+
 def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     diff = (out.float() - ref).abs()
     return (diff.norm() / ref.norm()).item(), (diff.max() / ref.abs().max()).item()
 
 
-def dense_row(name: str, shape: tuple[int, int], tokens: int, device: torch.device, flashinfer: bool = False) -> Row:
+def dense_row(name: str, shape: tuple[int, int], tokens: int, device: torch.device, flashinfer: bool = False,
+              rounds: int = 1) -> Row:
     weight = random_fp8(shape, device, seed=tokens)
     x = torch.randn(tokens, shape[1], device=device).to(torch.bfloat16)
     bf16_weight = weight.dequantize(torch.bfloat16)
@@ -123,10 +137,10 @@ def dense_row(name: str, shape: tuple[int, int], tokens: int, device: torch.devi
         if deepgemm_rel > 2 * errors(fp8_out, ref)[0]:
             raise AssertionError(f"flashinfer's block-scale GEMM is off: {deepgemm_rel:.1e} on {name}")
         flashinfer_ms = time_ms(deepgemm, device)
-    return Row(name, tokens, 2.0 * tokens * shape[0] * shape[1],
-               bf16_ms=time_ms(lambda: F.linear(x, bf16_weight), device), fp8_ms=time_ms(lambda: fp8(x, weight), device),
+    bf16_ms, fp8_ms, speedups = paired_ms(lambda: F.linear(x, bf16_weight), lambda: fp8(x, weight), device, rounds)
+    return Row(name, tokens, 2.0 * tokens * shape[0] * shape[1], bf16_ms=bf16_ms, fp8_ms=fp8_ms,
                fp8_kernel=kernel, triton_ms=triton_ms, fp8_rel=errors(fp8_out, ref)[0], fp8_max=errors(fp8_out, ref)[1],
-               bf16_rel=errors(bf16_out, ref)[0], flashinfer_ms=flashinfer_ms)
+               bf16_rel=errors(bf16_out, ref)[0], flashinfer_ms=flashinfer_ms, speedups=speedups)
 
 
 def expert_rows(tokens: int, num_experts: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,7 +155,7 @@ def expert_rows(tokens: int, num_experts: int, device: torch.device) -> tuple[to
     return sources[order].to(device), ends.to(device)
 
 
-def grouped_row(name: str, shape: tuple[int, int, int], tokens: int, device: torch.device) -> Row:
+def grouped_row(name: str, shape: tuple[int, int, int], tokens: int, device: torch.device, rounds: int = 1) -> Row:
     from pdserve.ops.fp8_gemm import block_fp8_grouped_linear_kernels
 
     weight = random_fp8(shape, device, seed=tokens)
@@ -159,10 +173,14 @@ def grouped_row(name: str, shape: tuple[int, int, int], tokens: int, device: tor
     fp8_out = fp8()
     bf16_out = bf16() if device.type == "cuda" else None  # _grouped_mm: bf16 on CUDA
     fp8_rel, fp8_max = errors(fp8_out, ref)
-    return Row(name, tokens, 2.0 * row_index.numel() * shape[1] * shape[2],
-               bf16_ms=time_ms(bf16, device) if bf16_out is not None else float("nan"), fp8_ms=time_ms(fp8, device),
+    if bf16_out is not None:
+        bf16_ms, fp8_ms, speedups = paired_ms(bf16, fp8, device, rounds)
+    else:
+        bf16_ms, fp8_ms, speedups = float("nan"), time_ms(fp8, device), (float("nan"), float("nan"))
+    return Row(name, tokens, 2.0 * row_index.numel() * shape[1] * shape[2], bf16_ms=bf16_ms, fp8_ms=fp8_ms,
                fp8_kernel=grouped_kernel(weight, row_index.numel(), device), triton_ms=None, fp8_rel=fp8_rel,
-               fp8_max=fp8_max, bf16_rel=errors(bf16_out, ref)[0] if bf16_out is not None else float("nan"))
+               fp8_max=fp8_max, bf16_rel=errors(bf16_out, ref)[0] if bf16_out is not None else float("nan"),
+               speedups=speedups)
 
 
 def grouped_kernel(weight: BlockFP8Weight, rows: int, device: torch.device) -> str:
@@ -178,14 +196,16 @@ def grouped_kernel(weight: BlockFP8Weight, rows: int, device: torch.device) -> s
 
 
 def print_table(rows: list[Row]) -> None:
-    print("| GEMM | tokens | bf16 ms | bf16 TFLOP/s | FP8 ms | FP8 TFLOP/s | FP8 kernel | FP8 speed-up | Triton ms "
-          "| flashinfer SM90 ms (speed-up) | FP8 rel err | FP8 max err | bf16 rel err |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| GEMM | tokens | bf16 ms | bf16 TFLOP/s | FP8 ms | FP8 TFLOP/s | FP8 kernel | FP8 speed-up "
+          "| speed-up range of a round | Triton ms | flashinfer SM90 ms (speed-up) | FP8 rel err | FP8 max err "
+          "| bf16 rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         triton = f"{r.triton_ms:.3f}" if r.triton_ms is not None else "-"
         flashinfer = "-" if r.flashinfer_ms is None else f"{r.flashinfer_ms:.3f} ({r.bf16_ms / r.flashinfer_ms:.2f}x)"
         print(f"| {r.gemm} | {r.tokens} | {r.bf16_ms:.3f} | {r.flops / r.bf16_ms / 1e9:.0f} | {r.fp8_ms:.3f} | "
-              f"{r.flops / r.fp8_ms / 1e9:.0f} | {r.fp8_kernel} | {r.bf16_ms / r.fp8_ms:.2f}x | {triton} | "
+              f"{r.flops / r.fp8_ms / 1e9:.0f} | {r.fp8_kernel} | {r.bf16_ms / r.fp8_ms:.2f}x | "
+              f"{r.speedups[0]:.2f}-{r.speedups[1]:.2f}x | {triton} | "
               f"{flashinfer} | {r.fp8_rel:.2e} | {r.fp8_max:.2e} | {r.bf16_rel:.2e} |")
 
 
@@ -194,6 +214,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and sizes (checks the script anywhere)")
     parser.add_argument("--flashinfer", action="store_true",
                         help="dense shapes: also flashinfer's SM90 block-scale GEMM (JIT-compiled on first use)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of bf16 then FP8 timings per row; the table gives their medians")
+    parser.add_argument("--prefill-only", action="store_true", help="prefill sizes alone")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dense, experts, sizes = V3_DENSE, V3_EXPERTS, DECODE_TOKENS + PREFILL_TOKENS
@@ -205,8 +228,11 @@ def main() -> None:
     print(f"device {name}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     started = time.perf_counter()
     rows = []
-    cases = [(functools.partial(dense_row, flashinfer=args.flashinfer), gemm, shape) for gemm, shape in dense.items()]
-    cases += [(grouped_row, gemm, shape) for gemm, shape in experts.items()]
+    if args.prefill_only:
+        sizes = PREFILL_TOKENS
+    dense_case = functools.partial(dense_row, flashinfer=args.flashinfer, rounds=args.rounds)
+    cases = [(dense_case, gemm, shape) for gemm, shape in dense.items()]
+    cases += [(functools.partial(grouped_row, rounds=args.rounds), gemm, shape) for gemm, shape in experts.items()]
     for measure, gemm, shape in cases:
         for tokens in sizes:
             rows.append(measure(gemm, shape, tokens, device))
