@@ -10,6 +10,7 @@ experts of one EP8 rank at 4k-16k tokens, in TFLOP/s, cuBLAS against the Triton 
     python benchmarks/gpu_grouped_gemm.py --prefill       # tokens 1k..16k, tilings swept
     python benchmarks/gpu_grouped_gemm.py --sort          # the experts' sort of routed rows: counting vs radix
     python benchmarks/gpu_grouped_gemm.py --prefill --fp8-only --v3-tokens 16384 --tiles 64x128/4/3 --diagnose
+    python benchmarks/gpu_grouped_gemm.py --prefill --fp8-only --v3-tokens 4096,16384 --tiles 64x128/4/3 --rounds 7
 
 FP8 lines: first the path GroupedMoE takes (block_fp8_grouped_linear: at these sizes the rows gathered while they are
 quantized, then CUTLASS's grouped kernel on SM90 where it builds), then our Triton TMA kernel on the same rows, then
@@ -28,7 +29,7 @@ import argparse
 
 import torch
 
-from benchmarks.gpu_fp8_gemm import V3_EXPERTS, errors, expert_rows, grouped_kernel, random_fp8, time_ms
+from benchmarks.gpu_fp8_gemm import V3_EXPERTS, errors, expert_rows, grouped_kernel, paired_ms, random_fp8, time_ms
 from pdserve.ops.block_fp8 import BlockFP8Weight
 
 V2_LITE_EXPERTS = {"w13 2048->2x1408": (64, 2816, 2048), "w2 1408->2048": (64, 2048, 1408)}
@@ -74,7 +75,7 @@ def parse_tiles(text: str) -> tuple[tuple[int, int, int, int], ...]:
 
 
 def prefill_sweep(device: torch.device, bf16: bool = True, tilings: tuple[tuple[int, int, int, int], ...] = TILE_SWEEP,
-                  v3_tokens: tuple[int, ...] = V3_PREFILL_TOKENS, diagnose: bool = False) -> None:
+                  v3_tokens: tuple[int, ...] = V3_PREFILL_TOKENS, diagnose: bool = False, rounds: int = 1) -> None:
     """bf16 V2-Lite experts (unless `bf16` is off) and FP8 V3 EP8 experts at prefill sizes: cuBLAS (with and without
     the row gather the MoE layer needs before it) against the Triton kernels: bf16 at its default tiling and each of
     `tilings`; FP8 as served, then the pointer kernel at each of `tilings` (`diagnose`: see the module's notes)."""
@@ -147,13 +148,14 @@ def prefill_sweep(device: torch.device, bf16: bool = True, tilings: tuple[tuple[
                 sweep_line(name, tokens, rows, "quantize_rows with the gather, alone", flops, cublas_us,
                            lambda: quantize_rows(x, 128, row_index=row_index)[0], None, device)
             if name == V3_DOWN:
-                activation_lines(name, tokens, weight, bf16_weight, ends, rows, device)
+                activation_lines(name, tokens, weight, bf16_weight, ends, rows, device, rounds)
 
 
 def activation_lines(name: str, tokens: int, weight: BlockFP8Weight, bf16_weight: torch.Tensor, ends: torch.Tensor,
-                     rows: int, device: torch.device) -> None:
+                     rows: int, device: torch.device, rounds: int = 1) -> None:
     """The down projection with the activation before it, from gate_up rows sorted by expert: bf16 (the baseline of
-    the lines' speed-up column), FP8 from bf16 activations, FP8 from the fused activation-quantization."""
+    the lines' speed-up column), FP8 from bf16 activations, FP8 from the fused activation-quantization; with
+    `rounds` > 1, one more line: the bf16 and fused FP8 steps timed in that many alternating rounds (medians)."""
     from pdserve.ops.fp8_gemm import (
         block_fp8_grouped_linear_kernels,
         block_fp8_grouped_linear_quantized,
@@ -176,10 +178,18 @@ def activation_lines(name: str, tokens: int, weight: BlockFP8Weight, bf16_weight
     sweep_line(name, tokens, rows, "FP8 SiLU-and-mul, then quantize + " + grouped_kernel(weight, rows, device), flops,
                bf16_us, lambda: block_fp8_grouped_linear_kernels(activation(gate_up, weights), weight, ends), ref,
                device)
-    sweep_line(name, tokens, rows, "FP8 SiLU-and-mul fused with quantize + " + grouped_kernel(weight, rows, device),
-               flops, bf16_us,
-               lambda: block_fp8_grouped_linear_quantized(*silu_and_mul_quantize(gate_up, weights, 128), weight, ends),
-               ref, device)
+    def fused() -> torch.Tensor:
+        return block_fp8_grouped_linear_quantized(*silu_and_mul_quantize(gate_up, weights, 128), weight, ends)
+
+    kernel = grouped_kernel(weight, rows, device)
+    sweep_line(name, tokens, rows, "FP8 SiLU-and-mul fused with quantize + " + kernel, flops, bf16_us, fused, ref,
+               device)
+    if rounds > 1:
+        bf16_ms, fp8_ms, (low, high) = paired_ms(
+            lambda: torch._grouped_mm(activation(gate_up, weights), bf16_weight, offs=ends), fused, device, rounds)
+        print(f"| {name} | {tokens} | {rows} | bf16 then fused FP8 ({kernel}), {rounds} rounds: medians "
+              f"{bf16_ms * 1e3:.1f} / {fp8_ms * 1e3:.1f} us, range of a round {low:.2f}-{high:.2f}x | "
+              f"{fp8_ms * 1e3:.1f} | {flops / fp8_ms / 1e9:.0f} | {bf16_ms / fp8_ms:.2f}x | - |", flush=True)
 
 
 def sort_times(device: torch.device) -> None:
@@ -218,12 +228,16 @@ def main() -> None:
     parser.add_argument("--diagnose", action="store_true",
                         help="--prefill: FP8 also with rows gathered before, without the scale step, and "
                              "quantizing alone")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="--prefill: also time the w2 step with its activation in alternating rounds, bf16 then "
+                             "fused FP8 (medians)")
     parser.add_argument("--sort", action="store_true", help="the routed rows' sort: counting against radix")
     args = parser.parse_args()
     device = torch.device("cuda")
     if args.prefill:
         prefill_sweep(device, bf16=not args.fp8_only, tilings=args.tiles,
-                      v3_tokens=tuple(int(t) for t in args.v3_tokens.split(",")), diagnose=args.diagnose)
+                      v3_tokens=tuple(int(t) for t in args.v3_tokens.split(",")), diagnose=args.diagnose,
+                      rounds=args.rounds)
         return
     if args.sort:
         sort_times(device)
