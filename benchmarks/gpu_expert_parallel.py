@@ -11,6 +11,8 @@ device between steps); the exchange is then not timed apart. `--trace-dir` write
 timeline and prints where its GPU sat idle (benchmarks/trace_gaps.py). Graph steps also report the host's own time a
 step (the slowest rank's, waits for the device excluded): where it reaches the step time, the host sets the pace.
 `--ep-one-rank` makes a one-rank instance still exchange (with itself), to check the path on one GPU.
+`--prefill` times prefill steps instead (eager): each of a rank's `--batches` sequences computes its whole
+`--context` in one step, and tokens/s counts those tokens.
 `--router-skew` measures what an uneven expert load costs: each skew S scales every MoE layer's router rows of rank
 0's experts (the first 1/R of them) by 1 + S, so those experts win the top-k more often, and reports the share of the
 (token, expert) pairs they got, counted as the engine counts them (pdserve/ops/expert_load.py). The counts are
@@ -27,6 +29,7 @@ peers' memory, pdserve/ops/peer_exchange.py, the shared experts after it; graphs
     python benchmarks/gpu_expert_parallel.py --ranks 1,2 --batches 256 --graphs --variants none,shared,no-transfer
     python benchmarks/gpu_expert_parallel.py --ranks 2 --batches 64,256 --graphs --variants shared,peer,no-transfer
     python benchmarks/gpu_expert_parallel.py --ranks 2 --batches 256 --graphs --variants peer --router-skew 0,0.3,0.6
+    python benchmarks/gpu_expert_parallel.py --ranks 1,2 --batches 8 --context 1024 --prefill --router-skew 0,0.4
     python benchmarks/gpu_expert_parallel.py --device cpu --dtype float32 --layers 2 --ranks 1,2 --batches 2 \
         --context 32 --iters 2 --exchange fixed                                 # smoke run (gloo)
 """
@@ -100,8 +103,9 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
                                                                   device))  # as the engine counts them
         experts, moe = None, None
         exchanges = world_size > 1 or args.ep_one_rank
+        timed_exchange = not (args.graphs or args.untimed_exchange)  # device syncs around the collectives
         if exchanges:
-            moe = ExpertParallelMoE(None, cfg.n_routed_experts, backends.moe, sync_timing=not args.graphs,
+            moe = ExpertParallelMoE(None, cfg.n_routed_experts, backends.moe, sync_timing=timed_exchange,
                                     capacity_factor=args.capacity_factor)
             experts = ExpertRange(moe.first_expert, moe.experts_per_rank)
             backends = replace(backends, moe=moe)
@@ -120,14 +124,15 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
                     weight[hot] *= 1 + skew
             if exchanges:
                 moe = (LocalCopyExchange if variant == "no-transfer" else ExpertParallelMoE)(
-                    None, cfg.n_routed_experts, backends.moe.local, sync_timing=not args.graphs,
+                    None, cfg.n_routed_experts, backends.moe.local, sync_timing=timed_exchange,
                     capacity_factor=args.capacity_factor, overlap_shared=VARIANTS[variant])
                 if variant == "peer":
                     moe.use_peer_writes(batch_size, cfg.num_experts_per_tok, cfg.hidden_size, dtype, device)
                 model.backends = replace(backends, moe=moe)
                 if compiled is not None:  # the same compiled work around this variant's exchange
                     compiled = replace(compiled, moe=CompiledExpertParallelMoE(moe, compiled.moe.work))
-            kv_lens, query_lens = [args.context] * batch_size, [1] * batch_size
+            # --prefill: each sequence's whole context computed in the step, else one new token on it
+            kv_lens, query_lens = [args.context] * batch_size, [args.context if args.prefill else 1] * batch_size
             # graph steps grow every sequence by a token a step: pages for each step the script runs
             longest = args.context + (args.iters + PROFILED_STEPS + 2 if args.graphs else 0)
             num_pages = batch_size * -(-longest // args.page_size)
@@ -268,6 +273,10 @@ def main() -> None:
     parser.add_argument("--compile-layers", choices=("auto", "on", "off"), default="auto",
                         help="graphs: the layers' compiled regions and experts, as the engine's --compile-layers")
     parser.add_argument("--ep-one-rank", action="store_true", help="a one-rank instance exchanges with itself")
+    parser.add_argument("--untimed-exchange", action="store_true", help="eager steps: no device syncs around the "
+                        "exchange (its time is then not measured, and the step is as the engine runs it)")
+    parser.add_argument("--prefill", action="store_true", help="prefill steps instead of decode: each of a rank's "
+                        "--batches sequences computes its whole --context (eager)")
     parser.add_argument("--variants", default="shared", help="exchanging instances: comma-separated of " +
                         ", ".join(VARIANTS) + " (see above)")
     parser.add_argument("--profile", action="store_true", help="rank 0 prints its kernels by device time")
@@ -277,6 +286,8 @@ def main() -> None:
                         "by 1 + S (an uneven expert load)")
     args = parser.parse_args()
     args.router_skew = [float(s) for s in args.router_skew.split(",")]
+    if args.graphs and args.prefill:
+        parser.error("--prefill runs eager steps (the engine's prefill steps under EP are eager): drop --graphs")
     if args.graphs:
         if args.device != "cuda":
             parser.error("--graphs needs --device cuda (flashinfer attention)")
@@ -317,14 +328,15 @@ def main() -> None:
     skipped = sorted(set(int(r) for r in args.ranks.split(",")) - set(sizes))
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     kind = "CUDA-graph" if args.graphs else "eager"
-    print(f"\n{device_name}; context {args.context}; {args.dtype}; step = slowest rank's {kind} decode step; "
+    phase = "prefill" if args.prefill else "decode"
+    print(f"\n{device_name}; context {args.context}; {args.dtype}; step = slowest rank's {kind} {phase} step; "
           f"exchange: {args.exchange}" + (f"; skipped (not enough devices): {skipped}" if skipped else ""))
     print("| ranks | batch per rank | overlap | router skew | rank 0's experts' share of pairs | step (ms) | host (ms) "
           "| exchange (ms) | exchange share | tokens/s (all ranks) | expert weights per rank (GiB) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
-        tokens_per_s = row["ranks"] * row["batch"] / (row["step_ms"] / 1e3)
-        exchange_ms = row["exchange_ms"] if not args.graphs else _exposed_ms(row, rows)
+        tokens_per_s = row["ranks"] * row["batch"] * (args.context if args.prefill else 1) / (row["step_ms"] / 1e3)
+        exchange_ms = row["exchange_ms"] if not (args.graphs or args.untimed_exchange) else _exposed_ms(row, rows)
         exchange = "- | -" if exchange_ms is None else f"{exchange_ms:.2f} | {exchange_ms / row['step_ms']:.0%}"
         host = f"{row['host_ms']:.2f}" if args.graphs else "-"
         print(f"| {row['ranks']} | {row['batch']} | {row['variant']} | {row['skew']:g} | {row['hot_share']:.1%} | "
