@@ -190,13 +190,17 @@ class ExpertParallelMoE:
             flat_ids = topk_ids.reshape(-1)
             owner = torch.div(flat_ids, self.experts_per_rank, rounding_mode="floor")
             order = torch.argsort(owner, stable=True)  # pairs grouped by owner; token order kept inside a group
-            per_pair, beside_out = self._exchange_splits(x, flat_ids, owner, order, k, w13, w2, beside)
-            routed = _combine(per_pair.view(num_tokens, k, x.shape[1]), topk_ids, topk_weights, x.dtype)
+            slot_order, place = expert_order(topk_ids)
+            # the returned rows land in each token's expert order at once: no gather of every pair before the sum
+            per_pair, beside_out = self._exchange_splits(x, flat_ids, owner, order, place[order], k, w13, w2, beside)
+            weighted = per_pair.view(num_tokens, k, x.shape[1]) * topk_weights.gather(1, slot_order)[..., None]
+            routed = _sum_slots(weighted.to(x.dtype))
         return routed if beside_out is None else routed + beside_out
 
-    def _exchange_splits(self, x, flat_ids, owner, order, k: int, w13, w2, beside):
-        """Split sizes first (the host reads them), then exactly the rows each owner needs. Each pair's unweighted
-        expert output, in pair order [T * k, hidden], and `beside`'s result."""
+    def _exchange_splits(self, x, flat_ids, owner, order, returns_to, k: int, w13, w2, beside):
+        """Split sizes first (the host reads them), then exactly the rows each owner needs (pairs sent in `order`).
+        Each pair's unweighted expert output, the row of pair order[i] placed at returns_to[i] of [T * k, hidden], and
+        `beside`'s result."""
         send_counts = torch.bincount(owner, minlength=self.world_size)
         send_x = x[torch.div(order, k, rounding_mode="floor")]
         send_ids = flat_ids[order]
@@ -227,7 +231,7 @@ class ExpertParallelMoE:
         self._count(started, dispatched, combine_started, int(send_x.shape[0]))
 
         per_pair = torch.empty_like(back)
-        per_pair[order] = back
+        per_pair[returns_to] = back
         return per_pair, beside_out
 
     def _exchange_fixed(self, x, topk_ids, topk_weights, w13, w2, work: FixedExchangeWork, beside):
@@ -375,11 +379,26 @@ def overlaps_shared(backend: MoEBackend) -> bool:
 def _combine(expert_out: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
              dtype: torch.dtype) -> torch.Tensor:
     """Weighted sum over each token's k experts, added in ascending expert id from zero (TorchMoE's order)."""
-    num_tokens, k, hidden = expert_out.shape
+    num_tokens = expert_out.shape[0]
     slot_order = torch.argsort(topk_ids, dim=1, stable=True)
     rows = torch.arange(num_tokens, device=expert_out.device)[:, None]
-    weighted = (expert_out * topk_weights[..., None]).to(dtype)[rows, slot_order]
-    out = torch.zeros(num_tokens, hidden, dtype=dtype, device=expert_out.device)
-    for slot in range(k):
+    return _sum_slots((expert_out * topk_weights[..., None]).to(dtype)[rows, slot_order])
+
+
+def expert_order(topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slot_order [T, k]: each token's slots by ascending expert id, as argsort gives them; place [T * k]: where pair
+    (t, j) sits in that order, t * k + its rank among the token's experts)."""
+    num_tokens, k = topk_ids.shape
+    slot_order = torch.argsort(topk_ids, dim=1, stable=True)
+    ranks = torch.arange(k, device=topk_ids.device).expand(num_tokens, k)
+    place = torch.empty_like(slot_order).scatter_(1, slot_order, ranks)
+    return slot_order, (place + torch.arange(num_tokens, device=topk_ids.device)[:, None] * k).reshape(-1)
+
+
+def _sum_slots(weighted: torch.Tensor) -> torch.Tensor:
+    """[T, k, hidden] weighted outputs already in each token's expert order -> their sum, added slot by slot from
+    zero (TorchMoE's order)."""
+    out = torch.zeros_like(weighted[:, 0])
+    for slot in range(weighted.shape[1]):
         out += weighted[:, slot]
     return out
