@@ -1,16 +1,19 @@
 """Expert parallelism: routed experts sharded over a torch.distributed group, tokens sent to their experts' owners.
 
-Rank r holds experts [r * E/R, (r+1) * E/R). Each MoE layer does four all-to-alls: split sizes, token rows, expert
-ids (dispatch), then expert outputs back (combine). The owner runs its received rows through the rank's own MoE
-backend (grouped GEMM on the GPU, TorchMoE on the CPU) as one-expert tokens of weight 1. The origin rank applies the
-routing weights and sums each token's experts in ascending expert id, the order TorchMoE uses, so float32 results
-match one rank holding all.
+Rank r holds experts [r * E/R, (r+1) * E/R). Each MoE layer does five all-to-alls: split sizes, then token rows,
+expert ids and routing weights (dispatch), then the owners' sums back (combine). A token goes once to each rank that
+owns some of its experts, however many of them it owns (at prefill sizes the exchange's bytes are what EP pays). The
+owner runs its received rows through the rank's own MoE backend (grouped GEMM on the GPU, TorchMoE on the CPU) with
+the ids of other ranks' experts set to -1, which add nothing, and returns each row's weighted sum. The origin adds a
+token's sums in rank order: one rank's result up to float rounding (the order of the additions differs).
 Every rank must call forward the same number of times (an empty batch still joins each collective).
 
 Decode steps can use a fixed-capacity exchange instead (`fixed_tokens` set, the same on every rank): each rank
-reserves C rows for each peer, the all-to-alls move equal splits, and nothing waits on the host, so the step can be
-captured in a CUDA graph. A pair past its owner's C rows is dropped and raises the overflow flag; the engine then
-runs the step again with split sizes (`overflowed_anywhere`), so no result ever comes from a dropped pair.
+reserves C rows for each peer, one row per (token, expert) pair, the all-to-alls move equal splits, and nothing waits
+on the host, so the step can be captured in a CUDA graph. The origin sums each token's experts in ascending expert id,
+TorchMoE's order, so float32 results equal one rank holding all. A pair past its owner's C rows is dropped and raises
+the overflow flag; the engine then runs the step again with split sizes (`overflowed_anywhere`), so no result ever
+comes from a dropped pair.
 
 Between the GPUs of one host the fixed-capacity exchange can instead write each peer's rows straight into its memory
 (`use_peer_writes`, pdserve/ops/peer_exchange.py): the same rows, moved faster than NCCL's all_to_all_single.
@@ -45,7 +48,9 @@ class ExchangeStats:
 
     calls: int = 0
     seconds: float = 0.0
-    sent_rows: int = 0  # (token, expert) pairs sent; padding rows of the fixed-capacity exchange not counted
+    # rows sent: (token, owner) rows with split sizes, (token, expert) pairs in the fixed-capacity exchange (its
+    # padding rows not counted)
+    sent_rows: int = 0
     fixed_calls: int = 0  # of `calls`, those through the fixed-capacity exchange
     peer_calls: int = 0  # of `fixed_calls`, those by writes into peer memory
     overflow_steps: int = 0  # fixed-capacity steps some rank overflowed, run again with split sizes
@@ -186,53 +191,55 @@ class ExpertParallelMoE:
             routed, beside_out = self._exchange_fixed(x, topk_ids, topk_weights, w13, w2, work or self.eager_work,
                                                       beside)
         else:
-            num_tokens, k = topk_ids.shape
-            flat_ids = topk_ids.reshape(-1)
-            owner = torch.div(flat_ids, self.experts_per_rank, rounding_mode="floor")
-            order = torch.argsort(owner, stable=True)  # pairs grouped by owner; token order kept inside a group
-            slot_order, place = expert_order(topk_ids)
-            # the returned rows land in each token's expert order at once: no gather of every pair before the sum
-            per_pair, beside_out = self._exchange_splits(x, flat_ids, owner, order, place[order], k, w13, w2, beside)
-            weighted = per_pair.view(num_tokens, k, x.shape[1]) * topk_weights.gather(1, slot_order)[..., None]
-            routed = _sum_slots(weighted.to(x.dtype))
+            routed, beside_out = self._exchange_splits(x, topk_ids, topk_weights, w13, w2, beside)
         return routed if beside_out is None else routed + beside_out
 
-    def _exchange_splits(self, x, flat_ids, owner, order, returns_to, k: int, w13, w2, beside):
-        """Split sizes first (the host reads them), then exactly the rows each owner needs (pairs sent in `order`).
-        Each pair's unweighted expert output, the row of pair order[i] placed at returns_to[i] of [T * k, hidden], and
+    def _exchange_splits(self, x, topk_ids, topk_weights, w13, w2, beside):
+        """Split sizes first (the host reads them), then one row per (token, rank owning some of its experts), with
+        the token's expert ids (-1 where another rank owns the expert) and routing weights. Each owner returns its
+        experts' weighted sum for the row; the origin adds a token's sums in rank order. Returns the routed sum and
         `beside`'s result."""
-        send_counts = torch.bincount(owner, minlength=self.world_size)
-        send_x = x[torch.div(order, k, rounding_mode="floor")]
-        send_ids = flat_ids[order]
+        num_tokens, k = topk_ids.shape
+        owner = torch.div(topk_ids, self.experts_per_rank, rounding_mode="floor")
+        owners = torch.zeros(num_tokens, self.world_size, dtype=torch.bool, device=x.device).scatter_(1, owner, True)
+        # rows grouped by owner, tokens in order inside a group
+        row_owner, row_token = torch.nonzero(owners.T, as_tuple=True)
+        send_counts = torch.bincount(row_owner, minlength=self.world_size)
+        send_x = x[row_token]
+        send_ids = torch.where(owner[row_token] == row_owner[:, None], topk_ids[row_token], -1)
+        send_weights = topk_weights[row_token].float()
 
         beside_out = self._beside_untimed(beside)
         started = self._clock()
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         send_split, recv_split = send_counts.tolist(), recv_counts.tolist()
-        recv_x = x.new_empty(sum(recv_split), x.shape[1])
-        recv_ids = send_ids.new_empty(sum(recv_split))
-        in_flight = [dist.all_to_all_single(recv_x, send_x, recv_split, send_split, group=self.group, async_op=True),
-                     dist.all_to_all_single(recv_ids, send_ids, recv_split, send_split, group=self.group,
-                                            async_op=True)]
+        received = sum(recv_split)
+        recv_x = x.new_empty(received, x.shape[1])
+        recv_ids = send_ids.new_empty(received, k)
+        recv_weights = send_weights.new_empty(received, k)
+        in_flight = [dist.all_to_all_single(recv, send, recv_split, send_split, group=self.group, async_op=True)
+                     for recv, send in ((recv_x, send_x), (recv_ids, send_ids), (recv_weights, send_weights))]
         if beside is not None and beside_out is None:
             beside_out = beside()
         _wait(in_flight)
         dispatched = self._clock()
 
-        # Each received row is a token with one expert of weight 1: the local backend returns its unweighted output.
-        ones = torch.ones(recv_ids.shape[0], 1, dtype=torch.float32, device=x.device)
-        expert_out = self.local.forward(recv_x, recv_ids[:, None], ones, w13, w2, self.first_expert) \
-            if recv_ids.numel() else recv_x  # nothing came (empty rows): grouped GEMM has no empty case
+        # The ids this rank does not hold add nothing: each row comes back as its local experts' weighted sum.
+        expert_out = self.local.forward(recv_x, recv_ids, recv_weights, w13, w2, self.first_expert) \
+            if received else recv_x  # nothing came (empty rows): grouped GEMM has no empty case
 
         combine_started = self._clock()
         back = x.new_empty(send_x.shape)
-        dist.all_to_all_single(back, expert_out, send_split, recv_split, group=self.group)
+        dist.all_to_all_single(back, expert_out.to(x.dtype), send_split, recv_split, group=self.group)
         self._count(started, dispatched, combine_started, int(send_x.shape[0]))
 
-        per_pair = torch.empty_like(back)
-        per_pair[returns_to] = back
-        return per_pair, beside_out
+        # Each token's sums side by side in rank order (a token has at most min(k, R) owners), then added from zero
+        slots = min(k, self.world_size)
+        slot = (torch.cumsum(owners, dim=1) - 1)[row_token, row_owner]
+        per_owner = x.new_zeros(num_tokens * slots, x.shape[1])
+        per_owner[row_token * slots + slot] = back
+        return _sum_slots(per_owner.view(num_tokens, slots, x.shape[1])), beside_out
 
     def _exchange_fixed(self, x, topk_ids, topk_weights, w13, w2, work: FixedExchangeWork, beside):
         """C rows per (rank, peer), padding marked by expert id -1; no host reads, so a graph can hold it. Pairs
@@ -385,19 +392,9 @@ def _combine(expert_out: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     return _sum_slots((expert_out * topk_weights[..., None]).to(dtype)[rows, slot_order])
 
 
-def expert_order(topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(slot_order [T, k]: each token's slots by ascending expert id, as argsort gives them; place [T * k]: where pair
-    (t, j) sits in that order, t * k + its rank among the token's experts)."""
-    num_tokens, k = topk_ids.shape
-    slot_order = torch.argsort(topk_ids, dim=1, stable=True)
-    ranks = torch.arange(k, device=topk_ids.device).expand(num_tokens, k)
-    place = torch.empty_like(slot_order).scatter_(1, slot_order, ranks)
-    return slot_order, (place + torch.arange(num_tokens, device=topk_ids.device)[:, None] * k).reshape(-1)
-
-
 def _sum_slots(weighted: torch.Tensor) -> torch.Tensor:
-    """[T, k, hidden] weighted outputs already in each token's expert order -> their sum, added slot by slot from
-    zero (TorchMoE's order)."""
+    """[T, S, hidden] -> each token's S rows added slot by slot from zero: with the slots in expert order, TorchMoE's
+    order of additions."""
     out = torch.zeros_like(weighted[:, 0])
     for slot in range(weighted.shape[1]):
         out += weighted[:, slot]
