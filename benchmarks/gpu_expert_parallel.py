@@ -142,7 +142,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
             ids, positions, last_rows = step_inputs(query_lens, kv_lens, cfg.vocab_size, device, seed=rank)
             fixed = moe is not None and args.exchange == "fixed"
             if fixed and not args.graphs:  # a graph holds its own
-                moe.fixed_tokens = batch_size
+                moe.fixed_tokens = sum(query_lens)
             step = graph_step(model, kv_cache, num_pages, moe, ids, kv_lens, longest, args.page_size, compiled) \
                 if args.graphs else eager_step(model, kv_cache, ids, positions, last_rows, query_lens, kv_lens,
                                                args.page_size)

@@ -202,19 +202,24 @@ class ExpertParallelMoE:
         num_tokens, k = topk_ids.shape
         owner = torch.div(topk_ids, self.experts_per_rank, rounding_mode="floor")
         owners = torch.zeros(num_tokens, self.world_size, dtype=torch.bool, device=x.device).scatter_(1, owner, True)
-        # rows grouped by owner, tokens in order inside a group
-        row_owner, row_token = torch.nonzero(owners.T, as_tuple=True)
-        send_counts = torch.bincount(row_owner, minlength=self.world_size)
-        send_x = x[row_token]
-        send_ids = torch.where(owner[row_token] == row_owner[:, None], topk_ids[row_token], -1)
-        send_weights = topk_weights[row_token].float()
+        # (owner, token) cells that send a row first, grouped by owner, tokens in order inside a group. The host reads
+        # one thing a layer, the split sizes below: each read waits for the device, which then waits for the host.
+        cells = torch.argsort((~owners.T).reshape(-1).to(torch.uint8), stable=True)
+        send_counts = owners.sum(dim=0)
 
         beside_out = self._beside_untimed(beside)
         started = self._clock()
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        send_split, recv_split = send_counts.tolist(), recv_counts.tolist()
+        splits = torch.cat([send_counts, recv_counts]).tolist()
+        send_split, recv_split = splits[:self.world_size], splits[self.world_size:]
         received = sum(recv_split)
+        sent = cells[:sum(send_split)]
+        row_owner = torch.div(sent, max(num_tokens, 1), rounding_mode="floor")
+        row_token = sent % max(num_tokens, 1)
+        send_x = x[row_token]
+        send_ids = torch.where(owner[row_token] == row_owner[:, None], topk_ids[row_token], -1)
+        send_weights = topk_weights[row_token].float()
         recv_x = x.new_empty(received, x.shape[1])
         recv_ids = send_ids.new_empty(received, k)
         recv_weights = send_weights.new_empty(received, k)
