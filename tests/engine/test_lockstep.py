@@ -29,19 +29,21 @@ def prompts_for(world_size: int) -> list[list[list[int]]]:
     return per_rank
 
 
-def _rank_main(rank: int, world_size: int, port: int, model: str, prompts: list[list[int]], options: dict,
-               capacity_factor: float, results) -> None:
-    """One rank: an engine of `options` (EngineConfig fields) over gloo on the CPU, NCCL on GPU `rank`."""
-    on_cuda = options["device"] == "cuda"
+def _rank_main(rank: int, world_size: int, port: int, model: str, prompts: list[list[int]],
+               runs: list[tuple[dict, float]], results) -> None:
+    """One rank: an engine per run of `runs` ((EngineConfig fields, capacity factor)), one after the other in this
+    process (a spawn of ranks costs seconds of imports), over gloo on the CPU, NCCL on GPU `rank`."""
+    on_cuda = runs[0][0]["device"] == "cuda"
     if on_cuda:
         torch.cuda.set_device(rank)
     torch.set_num_threads(1)
     dist.init_process_group("nccl" if on_cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size)
     try:
-        results.put(_run_rank(rank, world_size, model, prompts, options, capacity_factor))
+        results.put((rank, [_run_rank(rank, world_size, model, prompts, options, capacity_factor)
+                            for options, capacity_factor in runs]))
     finally:
-        leave_process_group()  # the engine (and its graphs) went with _run_rank's frame
+        leave_process_group()  # the engines (and their graphs) went with _run_rank's frames
 
 
 def _run_rank(rank: int, world_size: int, model: str, prompts: list[list[int]], options: dict,
@@ -65,26 +67,27 @@ def _run_rank(rank: int, world_size: int, model: str, prompts: list[list[int]], 
         steps += 1
         for out in engine.step(force_forward=True):
             tokens[out.request_id].extend(out.new_token_ids)
-    return (rank, [tokens[f"r{rank}-{i}"] for i in range(len(prompts))], steps, engine.stats().expert_weight_bytes,
+    return ([tokens[f"r{rank}-{i}"] for i in range(len(prompts))], steps, engine.stats().expert_weight_bytes,
             backends[0].exchange)
 
 
-def run_instance(model: str, per_rank: list[list[list[int]]], options: dict, capacity_factor: float = 2.0,
+def run_instance(model: str, per_rank: list[list[list[int]]], runs: list[tuple[dict, float]],
                  timeout_s: float = 90) -> dict:
+    """{rank: [(tokens per prompt, forward passes, expert bytes, exchange stats) for each run]}."""
     port = free_port()
-    return run_spawned_ranks(_rank_main, [(r, len(per_rank), port, model, prompts, options, capacity_factor)
-                                          for r, prompts in enumerate(per_rank)], timeout_s)
+    got = run_spawned_ranks(_rank_main, [(r, len(per_rank), port, model, prompts, runs)
+                                         for r, prompts in enumerate(per_rank)], timeout_s)
+    return {rank: rest[0] for rank, rest in got.items()}
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("arch", "world_size", "exchange", "capacity_factor"), [
-    ("v2", 2, "splits", 2.0),
-    ("v3", 4, "splits", 2.0),
-    ("v2", 2, "fixed", 2.0),  # C holds every pair: decode steps never overflow
-    ("v3", 4, "fixed", 0.5),  # C is half an even share: steps overflow and run again with split sizes
+@pytest.mark.parametrize(("arch", "world_size", "fixed_capacity_factor"), [
+    ("v2", 2, 2.0),  # C holds every pair: decode steps never overflow
+    ("v3", 4, 0.5),  # C is half an even share: steps overflow and run again with split sizes
 ])
-def test_expert_parallel_greedy_tokens_equal_one_rank_with_all_experts(tiny_model_factory, arch, world_size, exchange,
-                                                                       capacity_factor):
+def test_expert_parallel_greedy_tokens_equal_one_rank_with_all_experts(tiny_model_factory, arch, world_size,
+                                                                       fixed_capacity_factor):
+    """Both exchanges, one after the other in the same ranks: split sizes throughout, then fixed capacity."""
     model = tiny_model_factory(arch)
     per_rank = prompts_for(world_size)
     threads = torch.get_num_threads()
@@ -92,20 +95,24 @@ def test_expert_parallel_greedy_tokens_equal_one_rank_with_all_experts(tiny_mode
     try:
         llm = LLM(model, dtype="float32", device="cpu", num_pages=64, progress=False)
         flat = [ids for prompts in per_rank for ids in prompts]
-        expected = iter([r.token_ids for r in llm.generate(prompt_token_ids=flat, sampling=SAMPLING)])
+        expected = [r.token_ids for r in llm.generate(prompt_token_ids=flat, sampling=SAMPLING)]
         all_expert_bytes = llm.engine.stats().expert_weight_bytes
     finally:
         torch.set_num_threads(threads)
-    got = run_instance(model, per_rank, dict(dtype="float32", device="cpu", num_pages=64, expert_exchange=exchange),
-                       capacity_factor)
-    steps = {got[rank][1] for rank in got}
-    assert len(steps) == 1, f"ranks ran different numbers of forward passes: {steps}"
-    for rank, prompts in enumerate(per_rank):
-        tokens, _, expert_bytes, stats = got[rank]
-        assert tokens == [next(expected) for _ in prompts], f"rank {rank}"
-        assert expert_bytes * world_size == all_expert_bytes
-        assert (stats.fixed_calls > 0) == (exchange == "fixed")
-        assert (stats.overflow_steps > 0) == (capacity_factor < 1), stats  # every rank counts the agreed overflows
+    options = dict(dtype="float32", device="cpu", num_pages=64)
+    exchanges = [("splits", 2.0), ("fixed", fixed_capacity_factor)]
+    got = run_instance(model, per_rank, [(options | dict(expert_exchange=exchange), capacity_factor)
+                                         for exchange, capacity_factor in exchanges], timeout_s=150)
+    for run, (exchange, capacity_factor) in enumerate(exchanges):
+        steps = {got[rank][run][1] for rank in got}
+        assert len(steps) == 1, f"{exchange}: ranks ran different numbers of forward passes: {steps}"
+        expected_tokens = iter(expected)
+        for rank, prompts in enumerate(per_rank):
+            tokens, _, expert_bytes, stats = got[rank][run]
+            assert tokens == [next(expected_tokens) for _ in prompts], f"{exchange}: rank {rank}"
+            assert expert_bytes * world_size == all_expert_bytes
+            assert (stats.fixed_calls > 0) == (exchange == "fixed")
+            assert (stats.overflow_steps > 0) == (capacity_factor < 1), stats  # every rank counts agreed overflows
 
 
 @pytest.mark.gpu
@@ -123,8 +130,10 @@ def test_expert_parallel_decode_under_cuda_graphs_gives_the_eager_tokens(tiny_mo
     # Rank 1 (of 2) has nothing to do: it joins every exchange, replaying graphs of padding rows in decode steps.
     per_rank = [prompts_for(2)[1], []][:world_size]
     options = dict(device="cuda", dtype="bfloat16", num_pages=64, max_num_seqs=4)
-    graphs = run_instance(model, per_rank, options | dict(expert_exchange="auto"), timeout_s=300)
-    eager = run_instance(model, per_rank, options | dict(expert_exchange="splits"), timeout_s=300)
+    graphs = {rank: runs[0] for rank, runs in
+              run_instance(model, per_rank, [(options | dict(expert_exchange="auto"), 2.0)], 300).items()}
+    eager = {rank: runs[0] for rank, runs in
+             run_instance(model, per_rank, [(options | dict(expert_exchange="splits"), 2.0)], 300).items()}
     for rank in range(world_size):
         assert graphs[rank][0] == eager[rank][0], f"rank {rank}"
         assert graphs[rank][3].fixed_calls > 0 and eager[rank][3].fixed_calls == 0
