@@ -205,14 +205,16 @@ class ExpertParallelMoE:
         # (owner, token) cells that send a row first, grouped by owner, tokens in order inside a group. The host reads
         # one thing a layer, the split sizes below: each read waits for the device, which then waits for the host.
         cells = torch.argsort((~owners.T).reshape(-1).to(torch.uint8), stable=True)
-        send_counts = owners.sum(dim=0)
+        # (rows, expert slots) sent to each owner: the owner computes only its own slots of the rows it gets
+        send_counts = torch.stack([owners.sum(dim=0), owner_slots(owner, self.world_size)], dim=1)
 
         beside_out = self._beside_untimed(beside)
         started = self._clock()
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        splits = torch.cat([send_counts, recv_counts]).tolist()
-        send_split, recv_split = splits[:self.world_size], splits[self.world_size:]
+        counts = torch.cat([send_counts, recv_counts]).tolist()
+        send_split = [rows for rows, _ in counts[:self.world_size]]
+        recv_split = [rows for rows, _ in counts[self.world_size:]]
         received = sum(recv_split)
         sent = cells[:sum(send_split)]
         row_owner = torch.div(sent, max(num_tokens, 1), rounding_mode="floor")
@@ -231,8 +233,9 @@ class ExpertParallelMoE:
         dispatched = self._clock()
 
         # The ids this rank does not hold add nothing: each row comes back as its local experts' weighted sum.
-        expert_out = self.local.forward(recv_x, recv_ids, recv_weights, w13, w2, self.first_expert) \
-            if received else recv_x  # nothing came (empty rows): grouped GEMM has no empty case
+        local_slots = sum(slots for _, slots in counts[self.world_size:])
+        expert_out = owned_row_sums(self.local, recv_x, recv_ids, recv_weights, w13, w2, self.first_expert,
+                                    local_slots) if received else recv_x  # grouped GEMM has no empty case
 
         combine_started = self._clock()
         back = x.new_empty(send_x.shape)
@@ -349,6 +352,21 @@ def owned_rows(local: MoEBackend, recv_x: torch.Tensor, recv_ids: torch.Tensor, 
         return local.forward_blocks(recv_x, recv_ids, w13, w2, first_expert, blocks, expected_rows)
     weights = torch.ones(recv_ids.shape[0], 1, dtype=torch.float32, device=recv_x.device)
     return local.forward(recv_x, recv_ids[:, None], weights, w13, w2, first_expert)
+
+
+def owner_slots(owner: torch.Tensor, world_size: int) -> torch.Tensor:
+    """How many of the (token, slot) pairs each rank owns, from the pairs' owner ranks, on the device."""
+    flat = owner.reshape(-1)
+    return torch.zeros(world_size, dtype=torch.int64, device=owner.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def owned_row_sums(local: MoEBackend, recv_x: torch.Tensor, recv_ids: torch.Tensor, recv_weights: torch.Tensor, w13,
+                   w2, first_expert: int, local_slots: int) -> torch.Tensor:
+    """The owner's experts on the split-size exchange's received rows: each row's weighted sum over its slots that this
+    rank holds (`local_slots` of them in all; the other slots are -1)."""
+    if isinstance(local, GroupedMoE):
+        return local.forward(recv_x, recv_ids, recv_weights, w13, w2, first_expert, local_slots)
+    return local.forward(recv_x, recv_ids, recv_weights, w13, w2, first_expert)
 
 
 def combine_returned(back: torch.Tensor, order: torch.Tensor, slot: torch.Tensor, topk_ids: torch.Tensor,

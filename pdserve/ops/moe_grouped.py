@@ -121,11 +121,15 @@ def local_groups(ids: torch.Tensor, first_expert: int, num_local: int) -> tuple[
 
 
 class GroupedMoE:
-    def forward(self, x, topk_ids, topk_weights, w13, w2, first_expert: int):
+    def forward(self, x, topk_ids, topk_weights, w13, w2, first_expert: int, local_slots: int | None = None):
+        """`local_slots`: how many slots hold this rank's experts, where the caller knows it on the host (the
+        expert-parallel exchange's received rows, about half of whose slots are other ranks'): only those slots then
+        go through the activation, the GEMMs' rows and the sum. Either way the result is the same."""
         groups, is_local = local_groups(topk_ids.reshape(-1), first_expert, w13.shape[0])
         # Rows of the group past the last expert are left unset by the GEMMs.
         sorted_rows = sort_by_group(groups, w13.shape[0] + 1)
-        return experts_of_sorted_rows(x, topk_ids.shape[1], topk_weights.reshape(-1), is_local, sorted_rows, w13, w2)
+        return experts_of_sorted_rows(x, topk_ids.shape[1], topk_weights.reshape(-1), is_local, sorted_rows, w13, w2,
+                                      local_slots=local_slots)
 
     def forward_blocks(self, x, ids, w13, w2, first_expert: int, blocks: int, expected_rows: int) -> torch.Tensor:
         """Each row of x through its expert `ids` (weight 1), where x and ids come as `blocks` equal blocks each
@@ -139,16 +143,23 @@ class GroupedMoE:
 
 def experts_of_sorted_rows(x, top_k: int, weights: torch.Tensor, is_local: torch.Tensor,
                            sorted_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], w13, w2,
-                           expected_rows: int | None = None) -> torch.Tensor:
+                           expected_rows: int | None = None, local_slots: int | None = None) -> torch.Tensor:
     """Each token's weighted sum of its k slots' experts, the slots (rows of token r // k) sorted by group as
-    sort_by_group gives them; slots not is_local add nothing."""
+    sort_by_group gives them; slots not is_local add nothing. `local_slots`: how many is_local slots there are, if
+    known on the host (GroupedMoE.forward)."""
     order, inverse, group_ends = sorted_rows
     group_ends = group_ends[:-1]  # the last group holds the slots no GEMM computes
+    if local_slots is not None:
+        order = order[:local_slots]  # the local groups sort first
     gate_up = grouped_linear(x, w13, group_ends, row_index=order // top_k, expected_rows=expected_rows)
     down = activate_and_project_down(gate_up, weights[order], w2, group_ends, expected_rows)
-    # Unsort with a gather (the inverse permutation), unset rows read as zero (a select: they may hold NaN), then
-    # sum each token's k slots (float32 accumulation, deterministic, unlike an atomic scatter-add).
-    per_slot = torch.where(is_local[:, None], down[inverse], 0)
+    # Unsort, then sum each token's k slots (float32 accumulation, deterministic, unlike an atomic scatter-add). With
+    # the local slots counted, their rows are written into zeros; else a gather (the inverse permutation) and a
+    # select, as rows past the local groups are unset (they may hold NaN).
+    if local_slots is not None:
+        per_slot = down.new_zeros(is_local.shape[0], down.shape[1]).index_copy_(0, order, down)
+    else:
+        per_slot = torch.where(is_local[:, None], down[inverse], 0)
     return per_slot.view(-1, top_k, down.shape[1]).sum(dim=1)
 
 

@@ -140,6 +140,21 @@ def test_grouped_moe_places_the_exchanges_sorted_blocks_without_a_sort():
     check_blocks_match_reference("cpu")
 
 
+def check_local_slots_counted_give_the_same_sums(device, **shape):
+    """Given the count of local slots on the host, GroupedMoE computes only those and gives the same result, bit for
+    bit, as when it must find them itself (the exchange's received rows, -1 for other ranks' slots)."""
+    x, ids, weights, w13, w2 = random_moe_inputs(device, extra_ids=8, **shape)
+    ids = torch.where(ids < 8, -1, ids)  # this rank holds experts 8 and up
+    local_slots = int((ids >= 8).sum())
+    assert 0 < local_slots < ids.numel()
+    assert torch.equal(GroupedMoE().forward(x, ids, weights, w13, w2, 8, local_slots),
+                       GroupedMoE().forward(x, ids, weights, w13, w2, 8))
+
+
+def test_grouped_moe_with_its_local_slots_counted_gives_the_same_sums():
+    check_local_slots_counted_give_the_same_sums("cpu")
+
+
 def test_grouped_moe_handles_experts_without_tokens():
     check_matches_reference("cpu", num_tokens=1, top_k=2)
 
@@ -160,6 +175,13 @@ def test_grouped_moe_places_the_exchanges_sorted_blocks_on_gpu(rows_per_block, e
 @pytest.mark.gpu
 def test_grouped_moe_drops_foreign_experts_on_gpu():
     check_matches_reference("cuda", first_expert=16, extra_ids=16, hidden=256, inter=128, experts=32, top_k=6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [40, 4096], ids=["triton", "cublas"])
+def test_grouped_moe_with_its_local_slots_counted_gives_the_same_sums_on_gpu(num_tokens):
+    check_local_slots_counted_give_the_same_sums("cuda", num_tokens=num_tokens, hidden=2048, inter=1408, experts=64,
+                                                 top_k=6)
 
 
 @pytest.mark.gpu
