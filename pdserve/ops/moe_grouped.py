@@ -34,8 +34,9 @@ SMALL_GROUPED_ROWS_PER_EXPERT = 64
 COUNTING_SORT_MAX_ROWS = 96  # routed rows (16 tokens of V2-Lite's 6 slots): where the counting sort wins, see below
 if importlib.util.find_spec("triton") is not None and torch.cuda.is_available():
     from pdserve.ops.gemm_triton import bf16_grouped_gemm_op, silu_and_mul_quantize
+    from pdserve.ops.slot_sum_triton import sum_slot_rows_triton
 else:
-    bf16_grouped_gemm_op = silu_and_mul_quantize = None
+    bf16_grouped_gemm_op = silu_and_mul_quantize = sum_slot_rows_triton = None
 
 
 def weighted_silu_and_mul(gate_up: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -153,14 +154,18 @@ def experts_of_sorted_rows(x, top_k: int, weights: torch.Tensor, is_local: torch
         order = order[:local_slots]  # the local groups sort first
     gate_up = grouped_linear(x, w13, group_ends, row_index=order // top_k, expected_rows=expected_rows)
     down = activate_and_project_down(gate_up, weights[order], w2, group_ends, expected_rows)
-    # Unsort, then sum each token's k slots (float32 accumulation, deterministic, unlike an atomic scatter-add). With
-    # the local slots counted, their rows are written into zeros; else a gather (the inverse permutation) and a
-    # select, as rows past the local groups are unset (they may hold NaN).
-    if local_slots is not None:
-        per_slot = down.new_zeros(is_local.shape[0], down.shape[1]).index_copy_(0, order, down)
-    else:
-        per_slot = torch.where(is_local[:, None], down[inverse], 0)
-    return per_slot.view(-1, top_k, down.shape[1]).sum(dim=1)
+    # Unsort (each slot's row: the inverse permutation) and combine; rows past the local groups are unset (they may
+    # hold NaN), or past the end of `down` with the local slots counted.
+    slot_row = torch.where(is_local, inverse, -1)
+    fused = down.is_cuda and sum_slot_rows_triton is not None and not torch.compiler.is_compiling()
+    return (sum_slot_rows_triton if fused else sum_slot_rows)(down, slot_row, top_k)
+
+
+def sum_slot_rows(rows: torch.Tensor, slot_row: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Each token's sum over its k slots of rows[slot_row[s]], slots with slot_row -1 adding nothing: float32
+    accumulation in slot order (deterministic, unlike an atomic scatter-add). (CUDA, eager: one Triton kernel.)"""
+    gathered = rows[slot_row.clamp(min=0)]
+    return torch.where((slot_row >= 0)[:, None], gathered, 0).view(-1, top_k, rows.shape[1]).sum(dim=1)
 
 
 @dataclass(frozen=True)

@@ -185,6 +185,22 @@ def test_grouped_moe_with_its_local_slots_counted_gives_the_same_sums_on_gpu(num
 
 
 @pytest.mark.gpu
+def test_slot_sum_kernel_matches_torch_and_reads_no_other_slot():
+    """The Triton combine equals sum_slot_rows bit for bit (the same float32 sum in slot order), slots of -1 adding
+    nothing, at V2-Lite's and V3's hidden sizes and with no tokens."""
+    from pdserve.ops.moe_grouped import sum_slot_rows
+    from pdserve.ops.slot_sum_triton import sum_slot_rows_triton
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for tokens, top_k, hidden in ((1, 6, 2048), (37, 6, 2048), (4096, 6, 2048), (300, 1, 7168), (0, 8, 7168)):
+        rows = torch.randn(tokens * top_k // 2 + 1, hidden, generator=gen).to("cuda", torch.bfloat16)
+        slot_row = torch.randint(-1, rows.shape[0], (tokens * top_k,), generator=gen).cuda()
+        fused = sum_slot_rows_triton(rows, slot_row, top_k)
+        assert fused.shape == (tokens, hidden)
+        torch.testing.assert_close(fused, sum_slot_rows(rows, slot_row, top_k), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
 def test_compiled_weighted_silu_and_mul_matches_eager():
     from pdserve.ops.moe_grouped import fused_weighted_silu_and_mul, weighted_silu_and_mul
 
