@@ -38,7 +38,9 @@ def build_model(
     fp8_block = cfg.fp8_block_size if keep_fp8 else None
     with torch.device("meta"):
         model = DeepseekForCausalLM(cfg, backends, experts, fp8_block).to(dtype)
-    model.to_empty(device=device)
+    # model.to_empty(device), but by torch.empty: empty_like of a meta tensor runs a Python reference that imports
+    # sympy, ~1 s of every rank's start on the 2-core machine (the CPU never compiles anything that needs it).
+    model._apply(lambda meta: torch.empty(meta.shape, dtype=meta.dtype, device=device))
     if fuse:
         model.fuse_projections()
     for module in model.modules():

@@ -10,6 +10,8 @@ The cache holds latents only. Attention runs in one of two forms, chosen by the 
 """
 
 import itertools
+import math
+import mmap
 from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -118,7 +120,15 @@ def new_kv_pool(num_layers: int, num_pages: int, page_size: int, kv_dim: int, dt
     a range; layer-major, a request's pages were a range per layer). Returned as the layer-first view [layers, pages,
     page_size, kv_dim] the model indexes by layer: each layer's pages are then `layers` page-rows apart, which the
     attention kernels take as their page stride."""
-    return torch.zeros(num_pages, num_layers, page_size, kv_dim, dtype=dtype, device=device).transpose(0, 1)
+    shape = (num_pages, num_layers, page_size, kv_dim)
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device).transpose(0, 1)
+    # On the CPU an anonymous mapping: the kernel gives each page as zeros when it is first touched, where torch.zeros
+    # would write the whole pool at start (~0.4 s a GiB on the 2-core machine) and keep it resident while most of it
+    # is never used. The tensor holds the mapping.
+    elements = math.prod(shape)
+    pool = torch.frombuffer(mmap.mmap(-1, elements * dtype.itemsize), dtype=dtype, count=elements)
+    return pool.view(shape).transpose(0, 1)
 
 
 class TorchAttention:
