@@ -123,11 +123,12 @@ def new_kv_pool(num_layers: int, num_pages: int, page_size: int, kv_dim: int, dt
     shape = (num_pages, num_layers, page_size, kv_dim)
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device).transpose(0, 1)
-    # On the CPU an anonymous mapping: the kernel gives each page as zeros when it is first touched, where torch.zeros
-    # would write the whole pool at start (~0.4 s a GiB on the 2-core machine) and keep it resident while most of it
-    # is never used. The tensor holds the mapping.
+    # On the CPU a private anonymous mapping (as malloc makes for large blocks, but guaranteed zero): the kernel gives
+    # each page as zeros when it is first touched, where torch.zeros would write the whole pool at start (~0.4 s a
+    # GiB on the 2-core machine) and keep it resident while most of it is never used. The tensor holds the mapping.
     elements = math.prod(shape)
-    pool = torch.frombuffer(mmap.mmap(-1, elements * dtype.itemsize), dtype=dtype, count=elements)
+    mapping = mmap.mmap(-1, elements * dtype.itemsize, flags=mmap.MAP_PRIVATE)
+    pool = torch.frombuffer(mapping, dtype=dtype, count=elements)
     return pool.view(shape).transpose(0, 1)
 
 

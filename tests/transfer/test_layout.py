@@ -1,3 +1,5 @@
+import gc
+import os
 import random
 
 import pytest
@@ -66,6 +68,23 @@ def test_layout_of_a_pool_tensor_gives_the_address_of_every_page():
     assert all(layout.page_addr(layer, page) == kv[layer, page].data_ptr() for layer in range(3) for page in range(7))
     with pytest.raises(ValueError, match="page-major"):  # layer-major: a run of pages would be a range per layer
         PoolLayout.of_pool(torch.zeros(3, 7, 4, 8))
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_cpu_pool_is_zeros_taken_from_the_kernel_as_touched():
+    """A CPU rank's 1 GiB pool is zeros without being written at start (and so not resident), and the pool tensor
+    alone keeps its memory."""
+    before = resident_bytes()
+    kv = new_kv_pool(8, 2**30 // (8 * 64 * 576 * 2), 64, 576, torch.bfloat16, torch.device("cpu"))[2:5, 10:]
+    assert resident_bytes() - before < 64 * 2**20
+    gc.collect()
+    assert not kv[:, :3].any() and not kv[:, -3:].any()
+    kv[1, 7] = 1.5
+    assert kv[1, 7].eq(1.5).all() and kv.sum().item() == 1.5 * 64 * 576
 
 
 @pytest.mark.parametrize("layers", [range(4), range(1, 3)])
