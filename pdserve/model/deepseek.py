@@ -401,7 +401,7 @@ class DeepseekModel(nn.Module):
     def __init__(self, cfg: ModelConfig, experts: ExpertRange, fp8_block: tuple[int, int] | None = None):
         super().__init__()
         # Built on the meta device (build_model): a weight given skips the random init, whose meta kernel imports
-        # torch._dynamo (~3 s of every rank's start on the 2-core machine, where nothing compiles).
+        # torch._dynamo (~1.5 s of every rank's start on the 2-core machine, where nothing compiles).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, experts, fp8_block) for i in range(cfg.num_hidden_layers))
