@@ -2,6 +2,7 @@
 
 import argparse
 import os
+import shutil
 from pathlib import Path
 
 from pdserve.wire.sampling import SamplingParams
@@ -10,13 +11,28 @@ DEFAULT_PROMPTS = ["The quick brown fox", "Once upon a time", "A model that serv
 
 
 def default_model_dir() -> Path:
-    """The tiny model pdserve generates for itself when no --model is given (made once, then reused)."""
-    from pdserve.model.tiny import make_tiny_model
-
+    """The tiny model pdserve generates for itself when no --model is given, made once, then reused. It is made
+    beside the cache and renamed into place, so a first start stopped halfway (Ctrl-C while the weights are written)
+    leaves nothing that looks finished."""
     cache = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve")) / "tiny-v2"
-    if not (cache / "config.json").is_file():
-        make_tiny_model(cache, arch="v2", seed=0)
+    if _has_weights(cache):
+        return cache
+    from pdserve.model.tiny import make_tiny_model  # imports torch (~3 s): only when the model must be made
+
+    partial = cache.with_name(f"{cache.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    make_tiny_model(partial, arch="v2", seed=0)
+    if cache.is_dir() and not _has_weights(cache):
+        shutil.rmtree(cache)  # what an older version left when stopped halfway: its config without weights
+    try:
+        partial.rename(cache)
+    except OSError:  # another process put its model in place first
+        shutil.rmtree(partial, ignore_errors=True)
     return cache
+
+
+def _has_weights(model_dir: Path) -> bool:
+    return model_dir.is_dir() and any(model_dir.glob("*.safetensors"))
 
 
 def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
