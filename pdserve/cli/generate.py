@@ -5,6 +5,8 @@ import os
 import shutil
 from pathlib import Path
 
+from pdserve.model.config import model_dir_problem
+from pdserve.settings.flags import FlagError
 from pdserve.wire.sampling import SamplingParams
 
 DEFAULT_PROMPTS = ["The quick brown fox", "Once upon a time", "A model that serves itself"]
@@ -31,6 +33,12 @@ def default_model_dir() -> Path:
     return cache
 
 
+def require_servable(model_dir: str, needs_weights: bool = True) -> None:
+    """A model directory that cannot be served is a usage error, reported before anything starts."""
+    if problem := model_dir_problem(model_dir, needs_weights):
+        raise FlagError(f"--model: {problem}")
+
+
 def _has_weights(model_dir: Path) -> bool:
     return model_dir.is_dir() and any(model_dir.glob("*.safetensors"))
 
@@ -51,6 +59,7 @@ def main_generate(args: argparse.Namespace) -> int:
     from pdserve.engine.llm import LLM
 
     model = args.model or str(default_model_dir())
+    require_servable(model)
     llm = LLM(model, dtype=args.dtype)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     prompts = args.prompt or DEFAULT_PROMPTS

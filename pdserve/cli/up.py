@@ -2,9 +2,14 @@
 
 import argparse
 import signal
+import sys
 import threading
+from typing import TYPE_CHECKING
 
-from pdserve.cli.generate import default_model_dir
+from pdserve.cli.generate import default_model_dir, require_servable
+
+if TYPE_CHECKING:
+    from pdserve.cluster.local import LocalCluster
 
 
 def add_up_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -24,6 +29,7 @@ def main_up(args: argparse.Namespace) -> int:
     from pdserve.cluster.local import ClusterConfig, LocalCluster
 
     model = args.model or str(default_model_dir())
+    require_servable(model)
     cfg = ClusterConfig(model=model, port=args.port, num_prefill=args.prefill, num_decode=args.decode,
                         num_both=args.colocated, ranks_per_worker=args.ranks_per_worker, routing=args.routing,
                         log_dir=args.log_dir)
@@ -32,17 +38,26 @@ def main_up(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     print(f"pdserve up: starting {args.prefill} prefill + {args.decode} decode + {args.colocated} colocated "
           f"worker(s) on {model} ...", flush=True)
-    with LocalCluster(cfg) as cluster:
-        print(f"router:  {cluster.url}   (OpenAI API: {cluster.url}/v1, metrics: {cluster.url}/metrics)")
-        for worker in cluster.workers:
-            print(f"{worker.name + ':':8} {worker.url}   (metrics: {worker.url}/metrics, log: {worker.log_path})")
-        print("try:  curl -s " + cluster.url + "/v1/completions -H 'content-type: application/json' "
-              "-d '{\"model\": \"" + cluster_model_name(model) + "\", \"prompt\": \"The quick brown fox\", "
-              "\"max_tokens\": 16}'", flush=True)
-        print("Ctrl-C stops everything.", flush=True)
-        stop.wait()
-        print("pdserve up: stopping ...", flush=True)
+    try:
+        with LocalCluster(cfg) as cluster:
+            serve_until(stop, cluster, model)
+    except (RuntimeError, TimeoutError) as error:  # a process that did not come up: its log says why, no traceback
+        print(f"pdserve up: error: {error}", file=sys.stderr, flush=True)
+        return 1
     return 0
+
+
+def serve_until(stop: threading.Event, cluster: "LocalCluster", model: str) -> None:
+    """Say where everything is, then wait for Ctrl-C."""
+    print(f"router:  {cluster.url}   (OpenAI API: {cluster.url}/v1, metrics: {cluster.url}/metrics)")
+    for worker in cluster.workers:
+        print(f"{worker.name + ':':8} {worker.url}   (metrics: {worker.url}/metrics, log: {worker.log_path})")
+    print("try:  curl -s " + cluster.url + "/v1/completions -H 'content-type: application/json' "
+          "-d '{\"model\": \"" + cluster_model_name(model) + "\", \"prompt\": \"The quick brown fox\", "
+          "\"max_tokens\": 16}'", flush=True)
+    print("Ctrl-C stops everything.", flush=True)
+    stop.wait()
+    print("pdserve up: stopping ...", flush=True)
 
 
 def cluster_model_name(model_dir: str) -> str:

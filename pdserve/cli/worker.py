@@ -2,7 +2,7 @@
 
 import argparse
 
-from pdserve.cli.generate import default_model_dir
+from pdserve.cli.generate import default_model_dir, require_servable
 from pdserve.worker.config import add_worker_arguments, worker_config_from_args
 
 
@@ -15,5 +15,7 @@ def add_worker_parser(subparsers: argparse._SubParsersAction) -> None:
 def main_worker(args: argparse.Namespace) -> int:
     from pdserve.worker.process import run_worker
 
-    run_worker(worker_config_from_args(args, args.model or str(default_model_dir())))
+    cfg = worker_config_from_args(args, args.model or str(default_model_dir()))
+    require_servable(cfg.engine.model, needs_weights=cfg.engine.reads_weights)
+    run_worker(cfg)
     return 0

@@ -104,3 +104,8 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def reads_weights(self) -> bool:
+        """Whether the model directory must hold weights: not for random weights nor for a simulated engine."""
+        return self.load_format == "safetensors" and self.execution == "model"

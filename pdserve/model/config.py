@@ -208,6 +208,22 @@ def _fp8_block_size(quant: dict[str, Any] | None) -> tuple[int, int] | None:
     return (int(block[0]), int(block[1]))
 
 
+def model_dir_problem(model_dir: str | Path, needs_weights: bool = True) -> str | None:
+    """What keeps `model_dir` from being served, in words, or None: it needs a config.json pdserve supports and,
+    unless the weights are to be random, safetensors files. Reads no tensor, so a command checks it before it starts
+    any process."""
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        return f"{model_dir} has no config.json (a Hugging Face model directory is expected)"
+    try:
+        ModelConfig.from_dir(path)
+    except (ValueError, KeyError, TypeError) as error:  # JSONDecodeError is a ValueError
+        return f"{path / 'config.json'}: {error}"
+    if needs_weights and not (path / "model.safetensors.index.json").is_file() and not any(path.glob("*.safetensors")):
+        return f"{model_dir} holds no weights (*.safetensors files)"
+    return None
+
+
 def _require(ok: bool, field: str, found: Any, expected: Any) -> None:
     if not ok:
         raise UnsupportedConfigError(f"config.json field '{field}': expected {expected}, found {found!r}")

@@ -1,9 +1,14 @@
 """The `pdserve` command reports flag values a configuration refuses as a usage error: one line naming the problem,
 exit status 2, no traceback, before anything starts."""
 
+import json
+import shutil
+
 import pytest
 
+from pdserve.cli.generate import require_servable
 from pdserve.cli.main import main
+from pdserve.engine.config import EngineConfig
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -18,3 +23,38 @@ def test_a_refused_flag_value_is_a_one_line_usage_error(argv, message, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"pdserve {argv[0]}: error: ") and message in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", ["up", "worker", "generate"])
+@pytest.mark.parametrize(("prepare", "message"), [
+    ("config only", "holds no weights (*.safetensors files)"),
+    ("no directory", "has no config.json"),
+    ("llama config", "config.json field 'model_type': expected one of"),
+])
+def test_a_model_directory_that_cannot_be_served_is_refused_before_anything_starts(
+        command, prepare, message, tiny_v2, tmp_path, capsys):
+    """A user pointing --model at a config without weights (the repository's real DeepSeek configs), at nothing, or at
+    a model pdserve does not serve gets one line naming it at once, not a worker's traceback a few seconds later."""
+    model = tmp_path / "model"
+    if prepare != "no directory":
+        model.mkdir()
+        shutil.copy(f"{tiny_v2}/config.json", model / "config.json")
+    if prepare == "llama config":
+        (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(SystemExit) as exited:
+        main([command, "--model", str(model)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pdserve {command}: error: --model: ") and message in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_random_weights_and_the_simulated_engine_need_only_a_config(tiny_v2, tmp_path):
+    shutil.copy(f"{tiny_v2}/config.json", tmp_path / "config.json")
+    assert EngineConfig(model=str(tmp_path)).reads_weights
+    assert not EngineConfig(model=str(tmp_path), load_format="random").reads_weights
+    assert not EngineConfig(model=str(tmp_path), execution="simulated").reads_weights
+    require_servable(str(tmp_path), needs_weights=False)
+    with pytest.raises(ValueError, match="holds no weights"):
+        require_servable(str(tmp_path))
+    require_servable(tiny_v2)

@@ -2,6 +2,7 @@
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,3 +44,23 @@ def test_up_serves_and_ctrl_c_leaves_no_process_behind(tiny_v2, tmp_path):
     finally:
         if up.poll() is None:
             os.killpg(up.pid, signal.SIGKILL)
+
+
+def test_a_worker_that_dies_at_start_ends_up_with_one_error_line_and_its_log(tiny_v2, tmp_path, ray_address):
+    """Weights that cannot be read (a truncated file passes the start's check, the rank's load fails): `pdserve up`
+    exits 1 with one line naming the worker and its log, followed by that log's tail (the cause), and no traceback of
+    its own. It joins the test run's Ray (ray.init reads RAY_ADDRESS) instead of starting one."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in os.listdir(tiny_v2):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(tiny_v2, name), model / name)
+    (model / "model.safetensors").write_bytes(b"")
+    up = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", str(model), "--port", str(free_port()),
+                         "--log-dir", str(tmp_path / "logs")], capture_output=True, text=True, timeout=180,
+                        env={**os.environ, "RAY_ADDRESS": ray_address})
+    assert up.returncode == 1, up.stdout + up.stderr
+    first = next(line for line in up.stderr.splitlines() if line.startswith("pdserve up: error: "))
+    assert re.fullmatch(r"pdserve up: error: (prefill|decode)-0 exited with 1; log: \S+\.log", first), first
+    assert "SafetensorError" in up.stderr  # the cause, from the worker's log
+    assert 'pdserve/cli/up.py", line' not in up.stderr
