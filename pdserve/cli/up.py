@@ -7,6 +7,8 @@ import threading
 from typing import TYPE_CHECKING
 
 from pdserve.cli.generate import default_model_dir, require_servable
+from pdserve.http.ports import port_is_free
+from pdserve.settings.flags import FlagError
 
 if TYPE_CHECKING:
     from pdserve.cluster.local import LocalCluster
@@ -28,6 +30,8 @@ def add_up_parser(subparsers: argparse._SubParsersAction) -> None:
 def main_up(args: argparse.Namespace) -> int:
     from pdserve.cluster.local import ClusterConfig, LocalCluster
 
+    if args.port and not port_is_free(args.port):
+        raise FlagError(f"--port: {args.port} is in use on this machine")
     model = args.model or str(default_model_dir())
     require_servable(model)
     cfg = ClusterConfig(model=model, port=args.port, num_prefill=args.prefill, num_decode=args.decode,

@@ -31,3 +31,15 @@ def free_port(host: str = "127.0.0.1") -> int:
                 continue
             return sock.getsockname()[1]
     raise OSError(f"no free port in [{PICKED_PORTS_FROM}, {below})")
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a listener could bind `port` at `host` now (with SO_REUSEADDR, as uvicorn binds: a closed connection
+    still in TIME_WAIT does not hold the port)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True

@@ -3,12 +3,14 @@ exit status 2, no traceback, before anything starts."""
 
 import json
 import shutil
+import socket
 
 import pytest
 
 from pdserve.cli.generate import require_servable
 from pdserve.cli.main import main
 from pdserve.engine.config import EngineConfig
+from pdserve.http.ports import free_port
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -58,3 +60,15 @@ def test_random_weights_and_the_simulated_engine_need_only_a_config(tiny_v2, tmp
     with pytest.raises(ValueError, match="holds no weights"):
         require_servable(str(tmp_path))
     require_servable(tiny_v2)
+
+
+def test_up_on_a_port_in_use_is_refused_before_anything_starts(capsys):
+    """Another server on the router's port (8000 by default) is named at once, not after the cluster has started."""
+    port = free_port()
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        with pytest.raises(SystemExit) as exited:
+            main(["up", "--port", str(port)])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == f"pdserve up: error: --port: {port} is in use on this machine\n"
