@@ -1,12 +1,15 @@
 """A whole pdserve cluster on this machine: one Ray instance, prefill/decode (or colocated) worker processes and a
 router, each a real process on 127.0.0.1. Used by `pdserve up`, the tests and the benchmarks."""
 
+import contextlib
 import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +29,23 @@ from pdserve.http.internal_auth import TOKEN_ENV
 from pdserve.http.ports import free_port
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def caller_signal_handlers_kept() -> Iterator[None]:
+    """SIGINT and SIGTERM handled as before ray.init: a driver's ray.init puts its own handlers in their place, and
+    on SIGTERM abseil's handler aborts the process 3 s later, which left `pdserve up`'s workers and router running
+    when it was stopped with `kill` (exit -6, no clean-up)."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in handlers.items():
+            if handler is not None:  # None: set outside Python, nothing we could put back
+                signal.signal(sig, handler)
 
 
 @dataclass
@@ -63,8 +83,9 @@ class LocalCluster(StartedCluster):
         else:
             self._owns_ray = not ray.is_initialized()
             if self._owns_ray:
-                ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
-                         logging_level=logging.WARNING, namespace="pdserve")
+                with caller_signal_handlers_kept():
+                    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
+                             logging_level=logging.WARNING, namespace="pdserve")
             self.ray_address = ray.get_runtime_context().gcs_address
         slots = worker_slots(cfg)
         for slot in slots:

@@ -9,6 +9,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from pdserve.http.ports import free_port
 
@@ -64,3 +65,30 @@ def test_a_worker_that_dies_at_start_ends_up_with_one_error_line_and_its_log(tin
     assert re.fullmatch(r"pdserve up: error: (prefill|decode)-0 exited with 1; log: \S+\.log", first), first
     assert "SafetensorError" in up.stderr  # the cause, from the worker's log
     assert 'pdserve/cli/up.py", line' not in up.stderr
+
+
+def test_sigterm_stops_up_as_ctrl_c_does(tiny_v2, tmp_path, ray_address):
+    """`kill` (SIGTERM, what systemd and container runtimes send) stops every process and exits 0, as Ctrl-C does.
+    A driver's ray.init replaces the handlers `pdserve up` set, and on SIGTERM aborted it 3 s later (exit -6) with its
+    workers and router left to fend for themselves."""
+    port = free_port()
+    up = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--model", tiny_v2, "--port", str(port),
+                           "--log-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True, env={**os.environ, "RAY_ADDRESS": ray_address})
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not any("Ctrl-C" in line for line in lines):
+            line = up.stdout.readline()
+            assert line or up.poll() is None, "".join(lines)
+            lines.append(line)
+        worker_urls = re.findall(r"^(?:prefill|decode)-0: (http://\S+)", "".join(lines), re.M)
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0, "".join(lines) + up.stdout.read()
+        assert "pdserve up: stopping" in up.stdout.read()
+        for url in [f"http://127.0.0.1:{port}", *worker_urls]:
+            with pytest.raises(httpx.HTTPError):
+                httpx.get(url + "/health", timeout=2)
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
