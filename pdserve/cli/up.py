@@ -34,9 +34,12 @@ def main_up(args: argparse.Namespace) -> int:
         raise FlagError(f"--port: {args.port} is in use on this machine")
     model = args.model or str(default_model_dir())
     require_servable(model)
-    cfg = ClusterConfig(model=model, port=args.port, num_prefill=args.prefill, num_decode=args.decode,
-                        num_both=args.colocated, ranks_per_worker=args.ranks_per_worker, routing=args.routing,
-                        log_dir=args.log_dir)
+    try:
+        cfg = ClusterConfig(model=model, port=args.port, num_prefill=args.prefill, num_decode=args.decode,
+                            num_both=args.colocated, ranks_per_worker=args.ranks_per_worker, routing=args.routing,
+                            log_dir=args.log_dir)
+    except ValueError as error:
+        raise FlagError(str(error)) from None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

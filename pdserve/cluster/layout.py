@@ -40,6 +40,18 @@ class ClusterConfig:
     # endpoint files (PoolFiles) instead of fixed lists.
     scalable: bool = False
 
+    def __post_init__(self) -> None:
+        counts = f"{self.num_prefill} prefill, {self.num_decode} decode, {self.num_both} colocated"
+        if min(self.num_prefill, self.num_decode, self.num_both) < 0:
+            raise ValueError(f"worker counts must be >= 0: {counts}")
+        if self.num_prefill + self.num_decode + self.num_both == 0:
+            raise ValueError("a cluster needs at least one worker: prefill and decode, or colocated")
+        if (self.num_prefill == 0) != (self.num_decode == 0):
+            raise ValueError(f"prefill workers hand their KV to decode workers, so a cluster has both or neither: "
+                             f"{counts}")
+        if self.ranks_per_worker < 1:
+            raise ValueError(f"ranks_per_worker must be >= 1, got {self.ranks_per_worker}")
+
 
 @dataclass(frozen=True)
 class WorkerSlot:

@@ -72,3 +72,20 @@ def test_up_on_a_port_in_use_is_refused_before_anything_starts(capsys):
             main(["up", "--port", str(port)])
     assert exited.value.code == 2
     assert capsys.readouterr().err == f"pdserve up: error: --port: {port} is in use on this machine\n"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--prefill", "0", "--decode", "0"], "a cluster needs at least one worker"),
+    (["--prefill", "1", "--decode", "0"], "so a cluster has both or neither: 1 prefill, 0 decode, 0 colocated"),
+    (["--prefill", "0", "--decode", "2", "--colocated", "1"], "so a cluster has both or neither"),
+    (["--prefill", "-1"], "worker counts must be >= 0"),
+    (["--ranks-per-worker", "0"], "ranks_per_worker must be >= 1"),
+])
+def test_up_refuses_a_cluster_that_could_not_serve(argv, message, tiny_v2, capsys):
+    """No worker at all, or prefill workers with no decode worker to hand their KV to (or the reverse): refused at
+    once. Before, the cluster started and every request failed (or Ray refused an empty placement group)."""
+    with pytest.raises(SystemExit) as exited:
+        main(["up", "--model", tiny_v2, "--port", "0", *argv])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pdserve up: error: ") and message in err and len(err.strip().splitlines()) == 1, err
