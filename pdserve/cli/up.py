@@ -40,17 +40,27 @@ def main_up(args: argparse.Namespace) -> int:
                             log_dir=args.log_dir)
     except ValueError as error:
         raise FlagError(str(error)) from None
-    stop = threading.Event()
+    started, stop = threading.Event(), threading.Event()
+
+    def on_signal(*_: object) -> None:
+        if not started.is_set():
+            raise KeyboardInterrupt  # stop starting: what has started is stopped on the way out
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     print(f"pdserve up: starting {args.prefill} prefill + {args.decode} decode + {args.colocated} colocated "
           f"worker(s) on {model} ...", flush=True)
     try:
         with LocalCluster(cfg) as cluster:
+            started.set()
             serve_until(stop, cluster, model)
     except (RuntimeError, TimeoutError) as error:  # a process that did not come up: its log says why, no traceback
         print(f"pdserve up: error: {error}", file=sys.stderr, flush=True)
         return 1
+    except KeyboardInterrupt:
+        print("pdserve up: stopped before the cluster was up", file=sys.stderr, flush=True)
+        return 130
     return 0
 
 

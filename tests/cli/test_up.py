@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -89,6 +90,46 @@ def test_sigterm_stops_up_as_ctrl_c_does(tiny_v2, tmp_path, ray_address):
         for url in [f"http://127.0.0.1:{port}", *worker_urls]:
             with pytest.raises(httpx.HTTPError):
                 httpx.get(url + "/health", timeout=2)
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+
+
+def processes_running(*needles: str) -> list[str]:
+    """Command lines of this machine's live processes that contain every one of `needles`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_text().replace("\0", " ") if proc.name.isdigit() else ""
+            if cmdline and all(needle in cmdline for needle in needles):
+                if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":  # a zombie is already gone
+                    found.append(cmdline)
+        except OSError:
+            pass
+    return found
+
+
+def test_ctrl_c_while_starting_stops_at_once_and_leaves_no_worker(tiny_v2, tmp_path, ray_address):
+    """Ctrl-C before the cluster is up stops what has started and exits 130 within seconds; before, `pdserve up`
+    went on starting, printed where to send requests, and only then stopped."""
+    model = tmp_path / "model-for-this-test"  # its path marks this test's workers among the machine's processes
+    shutil.copytree(tiny_v2, model)
+    up = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--model", str(model), "--port", str(free_port()),
+                           "--log-dir", str(tmp_path / "logs")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, start_new_session=True, env={**os.environ, "RAY_ADDRESS": ray_address})
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(processes_running(" worker ", str(model))) < 2:
+            time.sleep(0.05)
+        assert len(processes_running(" worker ", str(model))) == 2
+        up.send_signal(signal.SIGINT)
+        output = up.communicate(timeout=60)[0]
+        assert up.returncode == 130, output
+        assert "stopped before the cluster was up" in output and "Ctrl-C stops everything" not in output
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and processes_running(str(model)):
+            time.sleep(0.1)
+        assert not processes_running(str(model))
     finally:
         if up.poll() is None:
             os.killpg(up.pid, signal.SIGKILL)
