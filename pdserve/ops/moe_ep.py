@@ -1,10 +1,10 @@
 """Expert parallelism: routed experts sharded over a torch.distributed group, tokens sent to their experts' owners.
 
-Rank r holds experts [r * E/R, (r+1) * E/R). Each MoE layer does five all-to-alls: split sizes, then token rows,
-expert ids and routing weights (dispatch), then the owners' sums back (combine). A token goes once to each rank that
-owns some of its experts, however many of them it owns (at prefill sizes the exchange's bytes are what EP pays). The
-owner runs its received rows through the rank's own MoE backend (grouped GEMM on the GPU, TorchMoE on the CPU) with
-the ids of other ranks' experts set to -1, which add nothing, and returns each row's weighted sum. The origin adds a
+Rank r holds experts [r * E/R, (r+1) * E/R). Each MoE layer does three all-to-alls: split sizes, then the dispatch (a
+token's row, expert ids and routing weights packed in one row of bytes), then the owners' sums back (combine). A token
+goes once to each rank that owns some of its experts, however many of them it owns (at prefill sizes the exchange's
+bytes are what EP pays). The owner runs its received rows through the rank's own MoE backend (grouped GEMM on the GPU,
+TorchMoE on the CPU), where the ids of other ranks' experts add nothing, and returns each row's weighted sum. The origin adds a
 token's sums in rank order: one rank's result up to float rounding (the order of the additions differs).
 Every rank must call forward the same number of times (an empty batch still joins each collective).
 
@@ -35,11 +35,13 @@ import torch
 import torch.distributed as dist
 
 from pdserve.ops.moe import MoEBackend, TorchMoE
-from pdserve.ops.moe_grouped import GroupedMoE
+from pdserve.ops.moe_grouped import GroupedMoE, sum_slot_rows
 from pdserve.ops.peer_exchange import PeerExchange, region_bytes_for
 from pdserve.ops.token_dynamic import compile_token_dynamic
 
 log = logging.getLogger(__name__)
+
+ROW_ALIGN_BYTES = 128  # a packed dispatch row's length (pack_rows): each row's values start 128-byte aligned
 
 
 @dataclass
@@ -219,14 +221,9 @@ class ExpertParallelMoE:
         sent = cells[:sum(send_split)]
         row_owner = torch.div(sent, max(num_tokens, 1), rounding_mode="floor")
         row_token = sent % max(num_tokens, 1)
-        send_x = x[row_token]
-        send_ids = torch.where(owner[row_token] == row_owner[:, None], topk_ids[row_token], -1)
-        send_weights = topk_weights[row_token].float()
-        recv_x = x.new_empty(received, x.shape[1])
-        recv_ids = send_ids.new_empty(received, k)
-        recv_weights = send_weights.new_empty(received, k)
-        in_flight = [dist.all_to_all_single(recv, send, recv_split, send_split, group=self.group, async_op=True)
-                     for recv, send in ((recv_x, send_x), (recv_ids, send_ids), (recv_weights, send_weights))]
+        send = pack_rows(x, topk_ids, topk_weights)[row_token]
+        recv = send.new_empty(received, send.shape[1])
+        in_flight = [dist.all_to_all_single(recv, send, recv_split, send_split, group=self.group, async_op=True)]
         if beside is not None and beside_out is None:
             beside_out = beside()
         _wait(in_flight)
@@ -234,20 +231,21 @@ class ExpertParallelMoE:
 
         # The ids this rank does not hold add nothing: each row comes back as its local experts' weighted sum.
         local_slots = sum(slots for _, slots in counts[self.world_size:])
-        expert_out = owned_row_sums(self.local, recv_x, recv_ids, recv_weights, w13, w2, self.first_expert,
-                                    local_slots) if received else recv_x  # grouped GEMM has no empty case
+        expert_out = owned_row_sums(self.local, *unpack_rows(recv, x.shape[1], x.dtype, k), w13, w2,
+                                    self.first_expert, local_slots) if received else x[:0]  # no empty grouped GEMM
 
         combine_started = self._clock()
-        back = x.new_empty(send_x.shape)
+        back = x.new_empty(send.shape[0], x.shape[1])
         dist.all_to_all_single(back, expert_out.to(x.dtype), send_split, recv_split, group=self.group)
-        self._count(started, dispatched, combine_started, int(send_x.shape[0]))
+        self._count(started, dispatched, combine_started, int(send.shape[0]))
 
-        # Each token's sums side by side in rank order (a token has at most min(k, R) owners), then added from zero
+        # Each token's returned rows added in rank order, read where they arrived: slot s of a token (its s-th owner;
+        # it has at most min(k, R)) names the row of `back` that owner returned, -1 past its last owner.
         slots = min(k, self.world_size)
         slot = (torch.cumsum(owners, dim=1) - 1)[row_token, row_owner]
-        per_owner = x.new_zeros(num_tokens * slots, x.shape[1])
-        per_owner[row_token * slots + slot] = back
-        return _sum_slots(per_owner.view(num_tokens, slots, x.shape[1])), beside_out
+        slot_row = row_token.new_full((num_tokens * slots,), -1)
+        slot_row[row_token * slots + slot] = torch.arange(row_token.shape[0], device=x.device)
+        return sum_slot_rows(back, slot_row, slots), beside_out
 
     def _exchange_fixed(self, x, topk_ids, topk_weights, w13, w2, work: FixedExchangeWork, beside):
         """C rows per (rank, peer), padding marked by expert id -1; no host reads, so a graph can hold it. Pairs
@@ -342,6 +340,32 @@ def place_pairs(x: torch.Tensor, topk_ids: torch.Tensor, experts_per_rank: int, 
     send_x = x.new_empty(rows + 1, x.shape[1]).index_copy_(0, slot, x[torch.div(order, k, rounding_mode="floor")])
     send_ids = flat_ids.new_full((rows + 1,), -1).index_copy_(0, slot, flat_ids[order])
     return send_x[:rows], send_ids[:rows], order, slot, (counts > capacity).any()
+
+
+def pack_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """Each token's row of the split-size dispatch as bytes, so that one all-to-all moves everything an owner needs:
+    its values, then its k expert ids (int64) and routing weights (float32), the row padded to ROW_ALIGN_BYTES (each
+    row's values then start where vectorized loads want them). The full ids go to every owner: an owner's backend
+    adds nothing for experts it does not hold."""
+    k = topk_ids.shape[1]
+    ids_at = _round_up(x.shape[1] * x.element_size(), 8)
+    per_token = x.new_empty(x.shape[0], _round_up(ids_at + 12 * k, ROW_ALIGN_BYTES), dtype=torch.uint8)
+    per_token[:, :x.shape[1] * x.element_size()] = x.contiguous().view(torch.uint8)
+    per_token[:, ids_at:ids_at + 8 * k] = topk_ids.to(torch.int64).contiguous().view(torch.uint8)
+    per_token[:, ids_at + 8 * k:ids_at + 12 * k] = topk_weights.float().contiguous().view(torch.uint8)
+    return per_token
+
+
+def unpack_rows(rows: torch.Tensor, hidden: int, dtype: torch.dtype, k: int):
+    """pack_rows' rows read back in place: (values [N, hidden] of `dtype`, expert ids [N, k], weights [N, k]), views
+    with the packed row's stride."""
+    ids_at = _round_up(hidden * dtype.itemsize, 8)
+    return (rows[:, :hidden * dtype.itemsize].view(dtype), rows[:, ids_at:ids_at + 8 * k].view(torch.int64),
+            rows[:, ids_at + 8 * k:ids_at + 12 * k].view(torch.float32))
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
 
 
 def owned_rows(local: MoEBackend, recv_x: torch.Tensor, recv_ids: torch.Tensor, w13, w2, first_expert: int,

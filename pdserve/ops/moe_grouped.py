@@ -156,14 +156,18 @@ def experts_of_sorted_rows(x, top_k: int, weights: torch.Tensor, is_local: torch
     down = activate_and_project_down(gate_up, weights[order], w2, group_ends, expected_rows)
     # Unsort (each slot's row: the inverse permutation) and combine; rows past the local groups are unset (they may
     # hold NaN), or past the end of `down` with the local slots counted.
-    slot_row = torch.where(is_local, inverse, -1)
-    fused = down.is_cuda and sum_slot_rows_triton is not None and not torch.compiler.is_compiling()
-    return (sum_slot_rows_triton if fused else sum_slot_rows)(down, slot_row, top_k)
+    return sum_slot_rows(down, torch.where(is_local, inverse, -1), top_k)
 
 
 def sum_slot_rows(rows: torch.Tensor, slot_row: torch.Tensor, top_k: int) -> torch.Tensor:
     """Each token's sum over its k slots of rows[slot_row[s]], slots with slot_row -1 adding nothing: float32
-    accumulation in slot order (deterministic, unlike an atomic scatter-add). (CUDA, eager: one Triton kernel.)"""
+    accumulation in slot order (deterministic, unlike an atomic scatter-add). On CUDA, eager: one Triton kernel."""
+    fused = rows.is_cuda and sum_slot_rows_triton is not None and not torch.compiler.is_compiling()
+    return (sum_slot_rows_triton if fused else sum_slot_rows_torch)(rows, slot_row, top_k)
+
+
+def sum_slot_rows_torch(rows: torch.Tensor, slot_row: torch.Tensor, top_k: int) -> torch.Tensor:
+    """sum_slot_rows in torch ops: a gather of every slot's row, a select, a sum over the slots."""
     gathered = rows[slot_row.clamp(min=0)]
     return torch.where((slot_row >= 0)[:, None], gathered, 0).view(-1, top_k, rows.shape[1]).sum(dim=1)
 

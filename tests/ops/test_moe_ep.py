@@ -11,8 +11,11 @@ from pdserve.ops.moe_ep import (
     CompiledExpertParallelMoE,
     ExpertParallelMoE,
     combine_returned,
+    ROW_ALIGN_BYTES,
     expert_owner_range,
+    pack_rows,
     place_pairs,
+    unpack_rows,
 )
 from pdserve.ops.moe_grouped import GroupedMoE
 from tests.counting_backend import CountingBackend
@@ -159,6 +162,23 @@ def test_dropped_pairs_add_zero_whatever_the_spare_row_and_padding_rows_hold():
     kept.view(-1)[order[slot < 8]] = 1.0
     assert not torch.isnan(out).any()
     assert torch.equal(out, x * (kept * weights).sum(dim=1, keepdim=True))
+
+
+@pytest.mark.parametrize(("dtype", "hidden"), [(torch.bfloat16, 2048), (torch.float32, 7), (torch.bfloat16, 5)])
+def test_packed_dispatch_rows_read_back_exactly_and_stay_aligned(dtype, hidden):
+    """A token's values, ids and weights come back bit for bit from its packed row, whatever the hidden size and dtype
+    (odd sizes put the ids past padding), and every row starts ROW_ALIGN_BYTES-aligned."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, hidden, generator=gen).to(dtype)
+    ids = torch.randint(0, 1 << 40, (5, TOP_K), generator=gen)
+    weights = torch.rand(5, TOP_K, generator=gen)
+    rows = pack_rows(x, ids, weights)[torch.tensor([3, 0, 3, 4])]
+    assert rows.dtype == torch.uint8 and rows.shape[1] % ROW_ALIGN_BYTES == 0
+    got_x, got_ids, got_weights = unpack_rows(rows, hidden, dtype, TOP_K)
+    picked = torch.tensor([3, 0, 3, 4])
+    assert torch.equal(got_x, x[picked]) and torch.equal(got_ids, ids[picked])
+    assert torch.equal(got_weights, weights[picked])
+    assert got_x.data_ptr() == rows.data_ptr()  # read in place, no copy
 
 
 GPU_EXPERTS, GPU_HIDDEN, GPU_INTER, GPU_TOP_K = 16, 256, 128, 4

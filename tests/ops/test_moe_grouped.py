@@ -186,9 +186,9 @@ def test_grouped_moe_with_its_local_slots_counted_gives_the_same_sums_on_gpu(num
 
 @pytest.mark.gpu
 def test_slot_sum_kernel_matches_torch_and_reads_no_other_slot():
-    """The Triton combine equals sum_slot_rows bit for bit (the same float32 sum in slot order), slots of -1 adding
+    """The Triton combine equals sum_slot_rows_torch bit for bit (the same float32 sum in slot order), slots of -1 adding
     nothing, at V2-Lite's and V3's hidden sizes and with no tokens."""
-    from pdserve.ops.moe_grouped import sum_slot_rows
+    from pdserve.ops.moe_grouped import sum_slot_rows_torch
     from pdserve.ops.slot_sum_triton import sum_slot_rows_triton
 
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -197,7 +197,7 @@ def test_slot_sum_kernel_matches_torch_and_reads_no_other_slot():
         slot_row = torch.randint(-1, rows.shape[0], (tokens * top_k,), generator=gen).cuda()
         fused = sum_slot_rows_triton(rows, slot_row, top_k)
         assert fused.shape == (tokens, hidden)
-        torch.testing.assert_close(fused, sum_slot_rows(rows, slot_row, top_k), rtol=0, atol=0)
+        torch.testing.assert_close(fused, sum_slot_rows_torch(rows, slot_row, top_k), rtol=0, atol=0)
 
 
 @pytest.mark.gpu
