@@ -198,14 +198,13 @@ class ExpertParallelMoE:
 
     def _exchange_splits(self, x, topk_ids, topk_weights, w13, w2, beside):
         """Split sizes first (the host reads them), then one row per (token, rank owning some of its experts), with
-        the token's expert ids (-1 where another rank owns the expert) and routing weights. Each owner returns its
-        experts' weighted sum for the row; the origin adds a token's sums in rank order. Returns the routed sum and
-        `beside`'s result."""
+        the token's expert ids and routing weights. Each owner returns its experts' weighted sum for the row; the
+        origin adds a token's sums in rank order. Returns the routed sum and `beside`'s result."""
         num_tokens, k = topk_ids.shape
         owner = torch.div(topk_ids, self.experts_per_rank, rounding_mode="floor")
         owners = torch.zeros(num_tokens, self.world_size, dtype=torch.bool, device=x.device).scatter_(1, owner, True)
         # (owner, token) cells that send a row first, grouped by owner, tokens in order inside a group. The host reads
-        # one thing a layer, the split sizes below: each read waits for the device, which then waits for the host.
+        # one thing a layer, the split sizes below: each read waits for the device.
         cells = torch.argsort((~owners.T).reshape(-1).to(torch.uint8), stable=True)
         # (rows, expert slots) sent to each owner: the owner computes only its own slots of the rows it gets
         send_counts = torch.stack([owners.sum(dim=0), owner_slots(owner, self.world_size)], dim=1)
@@ -214,14 +213,23 @@ class ExpertParallelMoE:
         started = self._clock()
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        counts = torch.cat([send_counts, recv_counts]).tolist()
+        counts_copy = torch.cat([send_counts, recv_counts]).to("cpu", non_blocking=True)
+        copied = torch.cuda.Event() if x.is_cuda else None
+        if copied is not None:
+            copied.record()
+        # Work that needs no split size, queued behind the copy: the device runs it while the host waits for the
+        # counts, and the host's launches after the read find work still running.
+        per_token = pack_rows(x, topk_ids, topk_weights)
+        cell_owner = torch.div(cells, max(num_tokens, 1), rounding_mode="floor")
+        cell_token = cells % max(num_tokens, 1)
+        if copied is not None:
+            copied.synchronize()
+        counts = counts_copy.tolist()
         send_split = [rows for rows, _ in counts[:self.world_size]]
         recv_split = [rows for rows, _ in counts[self.world_size:]]
         received = sum(recv_split)
-        sent = cells[:sum(send_split)]
-        row_owner = torch.div(sent, max(num_tokens, 1), rounding_mode="floor")
-        row_token = sent % max(num_tokens, 1)
-        send = pack_rows(x, topk_ids, topk_weights)[row_token]
+        row_owner, row_token = cell_owner[:sum(send_split)], cell_token[:sum(send_split)]
+        send = per_token[row_token]
         recv = send.new_empty(received, send.shape[1])
         in_flight = [dist.all_to_all_single(recv, send, recv_split, send_split, group=self.group, async_op=True)]
         if beside is not None and beside_out is None:
