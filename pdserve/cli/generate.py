@@ -17,14 +17,14 @@ def default_model_dir() -> Path:
     beside the cache and renamed into place, so a first start stopped halfway (Ctrl-C while the weights are written)
     leaves nothing that looks finished."""
     cache = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve")) / "tiny-v2"
-    if _has_weights(cache):
+    if model_dir_problem(cache) is None:
         return cache
     from pdserve.model.tiny import make_tiny_model  # imports torch (~3 s): only when the model must be made
 
     partial = cache.with_name(f"{cache.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     make_tiny_model(partial, arch="v2", seed=0)
-    if cache.is_dir() and not _has_weights(cache):
+    if cache.is_dir() and model_dir_problem(cache) is not None:
         shutil.rmtree(cache)  # what an older version left when stopped halfway: its config without weights
     try:
         partial.rename(cache)
@@ -37,10 +37,6 @@ def require_servable(model_dir: str, needs_weights: bool = True) -> None:
     """A model directory that cannot be served is a usage error, reported before anything starts."""
     if problem := model_dir_problem(model_dir, needs_weights):
         raise FlagError(f"--model: {problem}")
-
-
-def _has_weights(model_dir: Path) -> bool:
-    return model_dir.is_dir() and any(model_dir.glob("*.safetensors"))
 
 
 def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -34,8 +34,8 @@ log = logging.getLogger(__name__)
 @contextlib.contextmanager
 def caller_signal_handlers_kept() -> Iterator[None]:
     """SIGINT and SIGTERM handled as before ray.init: a driver's ray.init puts its own handlers in their place, and
-    on SIGTERM abseil's handler aborts the process 3 s later, which left `pdserve up`'s workers and router running
-    when it was stopped with `kill` (exit -6, no clean-up)."""
+    on SIGTERM abseil's handler aborts the process 3 s later: `pdserve up` stopped with `kill` exited -6 (or 15,
+    joined to a running Ray) without its own clean-up."""
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         yield
         return
