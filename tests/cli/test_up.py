@@ -32,6 +32,16 @@ def read_until_up(up: subprocess.Popen, timeout_s: float) -> str:
     return "".join(lines)
 
 
+def stop_up(up: subprocess.Popen) -> None:
+    """After a failed test: SIGTERM first, which stops the cluster's processes too (SIGKILL would orphan them)."""
+    if up.poll() is None:
+        up.terminate()
+        try:
+            up.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(up.pid, signal.SIGKILL)
+
+
 def test_up_serves_and_ctrl_c_leaves_no_process_behind(tiny_v2, tmp_path):
     port = free_port()
     up = start_up(tiny_v2, port, tmp_path)
@@ -53,8 +63,7 @@ def test_up_serves_and_ctrl_c_leaves_no_process_behind(tiny_v2, tmp_path):
             except httpx.HTTPError:
                 pass
     finally:
-        if up.poll() is None:
-            os.killpg(up.pid, signal.SIGKILL)
+        stop_up(up)
 
 
 def test_a_worker_that_dies_at_start_ends_up_with_one_error_line_and_its_log(tiny_v2, tmp_path, ray_address):
@@ -114,5 +123,4 @@ def test_sigterm_while_starting_stops_at_once_and_leaves_no_worker(tiny_v2, tmp_
             time.sleep(0.1)
         assert not processes_running(str(model))
     finally:
-        if up.poll() is None:
-            os.killpg(up.pid, signal.SIGKILL)
+        stop_up(up)
