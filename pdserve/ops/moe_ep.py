@@ -4,8 +4,8 @@ Rank r holds experts [r * E/R, (r+1) * E/R). Each MoE layer does three all-to-al
 token's row, expert ids and routing weights packed in one row of bytes), then the owners' sums back (combine). A token
 goes once to each rank that owns some of its experts, however many of them it owns (at prefill sizes the exchange's
 bytes are what EP pays). The owner runs its received rows through the rank's own MoE backend (grouped GEMM on the GPU,
-TorchMoE on the CPU), where the ids of other ranks' experts add nothing, and returns each row's weighted sum. The origin adds a
-token's sums in rank order: one rank's result up to float rounding (the order of the additions differs).
+TorchMoE on the CPU), where the ids of other ranks' experts add nothing, and returns each row's weighted sum. The
+origin adds a token's sums in rank order: one rank's result up to float rounding (the order of the additions differs).
 Every rank must call forward the same number of times (an empty batch still joins each collective).
 
 Decode steps can use a fixed-capacity exchange instead (`fixed_tokens` set, the same on every rank): each rank

@@ -186,8 +186,8 @@ def test_grouped_moe_with_its_local_slots_counted_gives_the_same_sums_on_gpu(num
 
 @pytest.mark.gpu
 def test_slot_sum_kernel_matches_torch_and_reads_no_other_slot():
-    """The Triton combine equals sum_slot_rows_torch bit for bit (the same float32 sum in slot order), slots of -1 adding
-    nothing, at V2-Lite's and V3's hidden sizes and with no tokens."""
+    """The Triton combine equals sum_slot_rows_torch bit for bit (the same float32 sum in slot order), slots of -1
+    adding nothing, at V2-Lite's and V3's hidden sizes and with no tokens."""
     from pdserve.ops.moe_grouped import sum_slot_rows_torch
     from pdserve.ops.slot_sum_triton import sum_slot_rows_triton
 
