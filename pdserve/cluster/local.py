@@ -1,15 +1,11 @@
 """A whole pdserve cluster on this machine: one Ray instance, prefill/decode (or colocated) worker processes and a
 router, each a real process on 127.0.0.1. Used by `pdserve up`, the tests and the benchmarks."""
 
-import contextlib
-import logging
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,25 +23,7 @@ from pdserve.cluster.layout import (
 )
 from pdserve.http.internal_auth import TOKEN_ENV
 from pdserve.http.ports import free_port
-
-log = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def caller_signal_handlers_kept() -> Iterator[None]:
-    """SIGINT and SIGTERM handled as before ray.init: a driver's ray.init puts its own handlers in their place, and
-    on SIGTERM abseil's handler aborts the process 3 s later: `pdserve up` stopped with `kill` exited -6 (or 15,
-    joined to a running Ray) without its own clean-up."""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
-        yield
-        return
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in handlers.items():
-            if handler is not None:  # None: set outside Python, nothing we could put back
-                signal.signal(sig, handler)
+from pdserve.worker.rank_actors import connect_ray
 
 
 @dataclass
@@ -83,9 +61,7 @@ class LocalCluster(StartedCluster):
         else:
             self._owns_ray = not ray.is_initialized()
             if self._owns_ray:
-                with caller_signal_handlers_kept():
-                    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
-                             logging_level=logging.WARNING, namespace="pdserve")
+                connect_ray(None)
             self.ray_address = ray.get_runtime_context().gcs_address
         slots = worker_slots(cfg)
         for slot in slots:

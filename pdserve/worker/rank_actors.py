@@ -14,7 +14,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import AsyncGenerator, Awaitable
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -269,10 +271,18 @@ class RankHandle:
 
 
 def connect_ray(address: str | None) -> None:
+    """Joins the Ray at `address` (None: RAY_ADDRESS, else a Ray of this process's own), keeping the caller's SIGINT
+    and SIGTERM handlers: a driver's ray.init puts its own in their place, with which SIGTERM exited 15, or aborted
+    the process 3 s later with a crash dump (a Ray of its own), and never through the caller's clean-up."""
     if ray.is_initialized():
         return
+    main_thread = threading.current_thread() is threading.main_thread()  # only the main thread may set handlers
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
     ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False,
              logging_level=logging.WARNING, namespace="pdserve")
+    for sig, handler in handlers.items():
+        if handler is not None:  # None: set outside Python, nothing to put back
+            signal.signal(sig, handler)
 
 
 def place_ranks(num_ranks: int, gpus_per_rank: float) -> PlacementGroup:
