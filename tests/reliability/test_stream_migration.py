@@ -10,7 +10,7 @@ from stream_calls import TIMEOUT_S, model_of, pages_at_rest, running, stream_com
 
 from pdserve.cluster.local import ClusterConfig, LocalCluster
 
-MAX_TOKENS = 1500
+MAX_TOKENS = 500
 PROMPT = "a long story about a quick brown fox"
 
 
