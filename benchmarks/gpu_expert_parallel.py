@@ -13,6 +13,8 @@ step (the slowest rank's, waits for the device excluded): where it reaches the s
 `--ep-one-rank` makes a one-rank instance still exchange (with itself), to check the path on one GPU.
 `--prefill` times prefill steps instead (eager): each of a rank's `--batches` sequences computes its whole
 `--context` in one step, and tokens/s counts those tokens.
+`--redundant-experts N` keeps N replica slots a rank in each MoE layer and fills them from each case's warm-up load
+(pdserve/engine/expert_rebalance.py), so that a skewed load is spread over its replicas.
 `--router-skew` measures what an uneven expert load costs: each skew S scales every MoE layer's router rows of rank
 0's experts (the first 1/R of them) by 1 + S, so those experts win the top-k more often, and reports the share of the
 (token, expert) pairs they got, counted as the engine counts them (pdserve/ops/expert_load.py). The counts are
@@ -30,6 +32,8 @@ peers' memory, pdserve/ops/peer_exchange.py, the shared experts after it; graphs
     python benchmarks/gpu_expert_parallel.py --ranks 2 --batches 64,256 --graphs --variants shared,peer,no-transfer
     python benchmarks/gpu_expert_parallel.py --ranks 2 --batches 256 --graphs --variants peer --router-skew 0,0.3,0.6
     python benchmarks/gpu_expert_parallel.py --ranks 1,2 --batches 8 --context 1024 --prefill --router-skew 0,0.4
+    python benchmarks/gpu_expert_parallel.py --ranks 2 --batches 8 --context 1024 --prefill --router-skew 0,0.4 \
+        --redundant-experts 8                          # rank 0's hottest experts replicated on rank 1
     python benchmarks/gpu_expert_parallel.py --device cpu --dtype float32 --layers 2 --ranks 1,2 --batches 2 \
         --context 32 --iters 2 --exchange fixed                                 # smoke run (gloo)
 """
@@ -49,6 +53,7 @@ from trace_gaps import summarize
 
 from pdserve.http.ports import free_port
 from pdserve.engine.cuda_graphs import DecodeGraphConfig, DecodeGraphs, leave_process_group
+from pdserve.engine.expert_rebalance import ExpertRebalancer
 from pdserve.model.compiled_layers import compile_layers, wants_compiled_layers
 from pdserve.model.config import ModelConfig
 from pdserve.model.loader import build_model
@@ -117,6 +122,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
         hot = slice(0, cfg.n_routed_experts // world_size)  # rank 0's experts
         cases = [(b, v, s) for b in args.batches for v in (args.variants if exchanges else ["-"])
                  for s in args.router_skew]
+        rebalancer = None
         for batch_size, variant, skew in cases:
             with torch.no_grad():
                 for weight, base in zip(routers, unskewed):
@@ -147,9 +153,14 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
                 if args.graphs else eager_step(model, kv_cache, ids, positions, last_rows, query_lens, kv_lens,
                                                args.page_size)
 
+            if exchanges and args.redundant_experts:
+                rebalancer = rebalancer or ExpertRebalancer(model, moe, args.redundant_experts, interval_steps=1)
+                rebalancer.rebalance()  # forgets the load of the cases before
             with torch.inference_mode():
                 for _ in range(2):
                     step()
+                if rebalancer is not None:  # replicas planned from this case's warm-up steps, as a worker's
+                    rebalancer.rebalance()
                 finish(device)
                 dist.barrier()
                 counts_before = backends.expert_load.counts.sum(0)
@@ -282,6 +293,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="rank 0 prints its kernels by device time")
     parser.add_argument("--trace-dir", help="each rank writes its profiled steps' timeline here and prints its idle "
                                             "gaps")
+    parser.add_argument("--redundant-experts", type=int, default=0, help="exchanging instances: replica slots a "
+                        "rank keeps in each MoE layer, filled from the load of each case's warm-up steps (split sizes "
+                        "only: the fixed exchange keeps pairs with their owners)")
     parser.add_argument("--router-skew", default="0", help="comma-separated: rank 0's experts' router rows scaled "
                         "by 1 + S (an uneven expert load)")
     args = parser.parse_args()
@@ -296,6 +310,9 @@ def main() -> None:
     args.variants = args.variants.split(",")
     if unknown := set(args.variants) - set(VARIANTS):
         parser.error(f"unknown variants {sorted(unknown)}")
+    if args.redundant_experts and (args.graphs or args.exchange == "fixed"):
+        parser.error("--redundant-experts: replicas serve the exchange with split sizes (no --graphs, --exchange "
+                     "splits)")
     if {"no-transfer", "peer"} & set(args.variants) and not args.graphs:
         parser.error("the no-transfer and peer variants replace the fixed-capacity exchange: they need --graphs")
     available = torch.cuda.device_count() if args.device == "cuda" else 64
@@ -330,7 +347,8 @@ def main() -> None:
     kind = "CUDA-graph" if args.graphs else "eager"
     phase = "prefill" if args.prefill else "decode"
     print(f"\n{device_name}; context {args.context}; {args.dtype}; step = slowest rank's {kind} {phase} step; "
-          f"exchange: {args.exchange}" + (f"; skipped (not enough devices): {skipped}" if skipped else ""))
+          f"exchange: {args.exchange}" + (f"; skipped (not enough devices): {skipped}" if skipped else "")
+          + (f"; {args.redundant_experts} replica slots a rank and MoE layer" if args.redundant_experts else ""))
     print("| ranks | batch per rank | overlap | router skew | rank 0's experts' share of pairs | step (ms) | host (ms) "
           "| exchange (ms) | exchange share | tokens/s (all ranks) | expert weights per rank (GiB) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

@@ -65,6 +65,11 @@ class EngineConfig:
     expert_capacity_factor: float = setting(
         2.0, "fixed exchange: C as a multiple of an even share of a step's (token, expert) pairs (at the number of "
              "ranks or more, C holds every pair and nothing can overflow)")
+    redundant_experts: int = setting(
+        0, "expert parallelism: spare slots each rank keeps in every MoE layer for replicas of the hottest experts "
+           "(EPLB-style), re-planned from the measured load every expert_rebalance_steps steps; prefill steps (split "
+           "sizes) spread a replicated expert's pairs over its holders, decode graphs keep them with the owner")
+    expert_rebalance_steps: int = setting(1000, "redundant_experts: steps between two re-plans of the replicas")
     overlap_scheduling: Literal["auto", "on", "off"] = setting(
         "auto", "prepare step N+1 on the host while the device runs step N (sampled tokens stay on the device; ends "
                 "are seen one step late and the extra token dropped; batches with grammars or penalties step "
@@ -96,6 +101,8 @@ class EngineConfig:
             (self.expert_exchange in ("auto", "fixed", "splits"), "expert_exchange: auto, fixed or splits"),
             (self.compile_layers in ("auto", "on", "off"), "compile_layers: auto, on or off"),
             (self.expert_capacity_factor > 0, "expert_capacity_factor must be > 0"),
+            (self.redundant_experts >= 0, "redundant_experts must be >= 0"),
+            (self.expert_rebalance_steps >= 1, "expert_rebalance_steps must be >= 1"),
             (self.fp8_weights in ("auto", "keep", "dequantize"), "fp8_weights: auto, keep or dequantize"),
             (self.load_format in ("safetensors", "random"), "load_format: safetensors or random"),
             (self.execution in ("model", "simulated"), "execution: model or simulated"),

@@ -21,6 +21,7 @@ from pdserve.cache.radix_cache import NullPrefixCache, RadixCache
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cuda_graphs import decode_graph_config
 from pdserve.engine.device_values import on_device
+from pdserve.engine.expert_rebalance import ExpertRebalancer
 from pdserve.engine.in_flight import InFlightStep
 from pdserve.engine.logits_processing import LogitsProcessing
 from pdserve.engine.model_runner import ModelRunner
@@ -124,9 +125,14 @@ class Engine:
             self.expert_weight_bytes, described = 0, f"simulated ({profile.name})"
             self.fixed_exchange: ExpertParallelMoE | None = None
             self._expert_counts: ExpertCountsReader | None = None
+            self._rebalancer: ExpertRebalancer | None = None
         else:
             model = self._build_model(cfg, experts, wrap_moe)
             exchange = model.backends.moe if isinstance(model.backends.moe, ExpertParallelMoE) else None
+            if cfg.redundant_experts and exchange is None:
+                raise ValueError("redundant_experts needs expert parallelism (a worker's --expert-parallel)")
+            self._rebalancer = ExpertRebalancer(model, exchange, cfg.redundant_experts, cfg.expert_rebalance_steps) \
+                if cfg.redundant_experts else None
             # Under expert parallelism a graph holds the fixed-capacity exchange; with split sizes nothing can.
             use_graphs = cfg.cuda_graphs and (exchange is None or cfg.expert_exchange != "splits")
             graphs = decode_graph_config(use_graphs, model, cfg.max_num_seqs, self.max_model_len, cfg.page_size)
@@ -350,6 +356,7 @@ class Engine:
             expert_exchange_overflows=self.fixed_exchange.exchange.overflow_steps if self.fixed_exchange else 0,
             expert_peer_writes=self.fixed_exchange is not None and self.fixed_exchange.peer is not None,
             expert_tokens=self._expert_counts.per_expert() if self._expert_counts is not None else [],
+            expert_replica_slots_filled=self._rebalancer.slots_filled if self._rebalancer is not None else 0,
         )
 
     # --- the step -------------------------------------------------------------------------------------------
@@ -407,6 +414,8 @@ class Engine:
             if (fixed_tokens is not None and exchange.may_overflow(fixed_tokens, self.model_config.num_experts_per_tok)
                     and exchange.overflowed_anywhere()):
                 logits = self.runner.execute(scheduled, previous)
+        if self._rebalancer is not None:
+            self._rebalancer.after_step()
         self.last_step_wait_s += self.runner.take_device_wait_s()
         return logits
 

@@ -24,3 +24,4 @@ class EngineStats:
     expert_peer_writes: bool = False  # the fixed-capacity exchange writes into the peers' memory (else NCCL)
     # (token, expert) pairs this rank's tokens sent to each routed expert (global ids), summed over layers
     expert_tokens: list[int] = field(default_factory=list)
+    expert_replica_slots_filled: int = 0  # replica slots the instance's rebalances filled with a new expert (all ranks)

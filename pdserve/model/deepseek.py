@@ -19,6 +19,7 @@ from pdserve.model.fp8_modules import FP8Linear, FP8RoutedExperts
 from pdserve.model.rope import RotaryEmbedding
 from pdserve.ops.attention import AttentionBackend, AttentionBatch, gather_kv, write_kv
 from pdserve.ops.expert_load import ExpertLoad
+from pdserve.ops.expert_placement import LayerPlacement
 from pdserve.ops.moe import ExpertRange, MoEBackend
 from pdserve.ops.moe_ep import ExpertParallelMoE, overlaps_shared
 from pdserve.ops.select import Backends
@@ -242,6 +243,15 @@ class RoutedExperts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(experts.count, 2 * inter, cfg.hidden_size))
         self.w2 = nn.Parameter(torch.empty(experts.count, cfg.hidden_size, inter))
         self.stacked_shared = 0  # shared experts stacked after the routed ones (MoE.stack_shared_experts)
+        self.placement: LayerPlacement | None = None  # replicas of other ranks' experts (reserve_replica_slots)
+
+    def reserve_replica_slots(self, spare: int, rank: int, world_size: int) -> LayerPlacement:
+        """Room for `spare` replicas after this rank's own experts, which then live in the placement's slots (the
+        parameters become views of them). Once the weights are in, before any graph holds their addresses."""
+        self.placement = LayerPlacement.own_experts(self.w13.detach(), self.w2.detach(), spare, rank, world_size)
+        self.w13 = nn.Parameter(self.placement.w13[:self.experts.count], requires_grad=False)
+        self.w2 = nn.Parameter(self.placement.w2[:self.experts.count], requires_grad=False)
+        return self.placement
 
     def stack(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """Appends experts of the same shapes after this rank's own."""
@@ -312,10 +322,11 @@ class MoE(nn.Module):
         if load is not None:
             load.record(self.layer_idx, routed_ids)
         w13, w2 = self.experts.weights()
+        placed = {} if self.experts.placement is None else {"placement": self.experts.placement}
         if shared_beside:
             return backend.forward(x, slot_ids, slot_weights, w13, w2, self.experts.experts.first,
-                                   beside=functools.partial(self.shared_experts, x))
-        return backend.forward(x, slot_ids, slot_weights, w13, w2, self.experts.experts.first)
+                                   beside=functools.partial(self.shared_experts, x), **placed)
+        return backend.forward(x, slot_ids, slot_weights, w13, w2, self.experts.experts.first, **placed)
 
     def shared_beside(self, backend: MoEBackend) -> bool:
         """Whether the backend runs the shared experts while it exchanges the routed tokens between ranks (then

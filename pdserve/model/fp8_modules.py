@@ -43,6 +43,8 @@ class FP8Linear(KeepsFP8Dtypes):
 class FP8RoutedExperts(KeepsFP8Dtypes):
     """This rank's routed experts, stacked as RoutedExperts stacks them (w13 = gate rows then up rows), in FP8."""
 
+    placement = None  # replicated experts are RoutedExperts' alone so far (the engine refuses them with FP8 experts)
+
     def __init__(self, hidden: int, inter: int, experts: ExpertRange, block_size: tuple[int, int]):
         super().__init__()
         if inter % block_size[0]:

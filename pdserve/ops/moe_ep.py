@@ -6,7 +6,9 @@ goes once to each rank that owns some of its experts, however many of them it ow
 bytes are what EP pays). The owner runs its received rows through the rank's own MoE backend (grouped GEMM on the GPU,
 TorchMoE on the CPU), where the ids of other ranks' experts add nothing, and returns each row's weighted sum. The
 origin adds a token's sums in rank order: one rank's result up to float rounding (the order of the additions differs).
-Every rank must call forward the same number of times (an empty batch still joins each collective).
+Every rank must call forward the same number of times (an empty batch still joins each collective). With a layer's
+`placement` (pdserve/ops/expert_placement.py) a replicated expert's pairs are spread over the ranks holding it, and
+each row carries, for the rank it goes to, that rank's slots of the pairs it computes (-1 for the others).
 
 Decode steps can use a fixed-capacity exchange instead (`fixed_tokens` set, the same on every rank): each rank
 reserves C rows for each peer, one row per (token, expert) pair, the all-to-alls move equal splits, and nothing waits
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pdserve.ops.expert_placement import LayerPlacement
 from pdserve.ops.moe import MoEBackend, TorchMoE
 from pdserve.ops.moe_grouped import GroupedMoE, sum_slot_rows
 from pdserve.ops.peer_exchange import PeerExchange, region_bytes_for
@@ -180,10 +183,12 @@ class ExpertParallelMoE:
         return self._overflow
 
     def forward(self, x, topk_ids, topk_weights, w13, w2, first_expert: int,
-                work: FixedExchangeWork | None = None, beside: Callable[[], torch.Tensor] | None = None):
+                work: FixedExchangeWork | None = None, beside: Callable[[], torch.Tensor] | None = None,
+                placement: LayerPlacement | None = None):
         """`work`: the fixed-capacity exchange's tensor work (CompiledExpertParallelMoE's compiled); eager without.
         `beside`: work of the same tokens that needs no expert output (the layer's shared experts), run while the
-        tokens travel; its result is added to the routed sum."""
+        tokens travel; its result is added to the routed sum. `placement`: the layer's replicated experts, which
+        the exchange with split sizes spreads pairs over (the fixed-capacity exchange keeps pairs with owners)."""
         if first_expert != self.first_expert or w13.shape[0] != self.experts_per_rank:
             raise ValueError(
                 f"rank {self.rank} should hold experts [{self.first_expert}, +{self.experts_per_rank}), "
@@ -193,15 +198,20 @@ class ExpertParallelMoE:
             routed, beside_out = self._exchange_fixed(x, topk_ids, topk_weights, w13, w2, work or self.eager_work,
                                                       beside)
         else:
-            routed, beside_out = self._exchange_splits(x, topk_ids, topk_weights, w13, w2, beside)
+            routed, beside_out = self._exchange_splits(x, topk_ids, topk_weights, w13, w2, beside, placement)
         return routed if beside_out is None else routed + beside_out
 
-    def _exchange_splits(self, x, topk_ids, topk_weights, w13, w2, beside):
-        """Split sizes first (the host reads them), then one row per (token, rank owning some of its experts), with
-        the token's expert ids and routing weights. Each owner returns its experts' weighted sum for the row; the
+    def _exchange_splits(self, x, topk_ids, topk_weights, w13, w2, beside, placement: LayerPlacement | None):
+        """Split sizes first (the host reads them), then one row per (token, rank computing some of its experts),
+        with the token's expert ids and routing weights. Each owner returns its experts' weighted sum for the row; the
         origin adds a token's sums in rank order. Returns the routed sum and `beside`'s result."""
         num_tokens, k = topk_ids.shape
-        owner = torch.div(topk_ids, self.experts_per_rank, rounding_mode="floor")
+        if placement is None:
+            owner = torch.div(topk_ids, self.experts_per_rank, rounding_mode="floor")
+            first_expert = self.first_expert
+        else:  # each pair's rank; the rows then carry, for their owner, its slots of the pairs it computes
+            owner = placement.pair_ranks(topk_ids)
+            w13, w2, first_expert = placement.w13, placement.w2, 0
         owners = torch.zeros(num_tokens, self.world_size, dtype=torch.bool, device=x.device).scatter_(1, owner, True)
         # (owner, token) cells that send a row first, grouped by owner, tokens in order inside a group. The host reads
         # one thing a layer, the split sizes below: each read waits for the device.
@@ -230,6 +240,9 @@ class ExpertParallelMoE:
         received = sum(recv_split)
         row_owner, row_token = cell_owner[:sum(send_split)], cell_token[:sum(send_split)]
         send = per_token[row_token]
+        if placement is not None:
+            sent_ids = unpack_rows(send, x.shape[1], x.dtype, k)[1]
+            sent_ids.copy_(placement.slots_at(row_owner, sent_ids, owner[row_token]))
         recv = send.new_empty(received, send.shape[1])
         in_flight = [dist.all_to_all_single(recv, send, recv_split, send_split, group=self.group, async_op=True)]
         if beside is not None and beside_out is None:
@@ -240,7 +253,7 @@ class ExpertParallelMoE:
         # The ids this rank does not hold add nothing: each row comes back as its local experts' weighted sum.
         local_slots = sum(slots for _, slots in counts[self.world_size:])
         expert_out = owned_row_sums(self.local, *unpack_rows(recv, x.shape[1], x.dtype, k), w13, w2,
-                                    self.first_expert, local_slots) if received else x[:0]  # no empty grouped GEMM
+                                    first_expert, local_slots) if received else x[:0]  # no empty grouped GEMM
 
         combine_started = self._clock()
         back = x.new_empty(send.shape[0], x.shape[1])
@@ -428,8 +441,8 @@ class CompiledExpertParallelMoE:
         return cls(exchange, FixedExchangeWork(compile_token_dynamic(place_pairs, backend), owned,
                                                compile_token_dynamic(combine_returned, backend)))
 
-    def forward(self, x, topk_ids, topk_weights, w13, w2, first_expert: int, beside=None):
-        return self.exchange.forward(x, topk_ids, topk_weights, w13, w2, first_expert, self.work, beside)
+    def forward(self, x, topk_ids, topk_weights, w13, w2, first_expert: int, beside=None, placement=None):
+        return self.exchange.forward(x, topk_ids, topk_weights, w13, w2, first_expert, self.work, beside, placement)
 
 
 def overlaps_shared(backend: MoEBackend) -> bool:

@@ -67,8 +67,9 @@ def _run_rank(rank: int, world_size: int, model: str, prompts: list[list[int]], 
         steps += 1
         for out in engine.step(force_forward=True):
             tokens[out.request_id].extend(out.new_token_ids)
-    return ([tokens[f"r{rank}-{i}"] for i in range(len(prompts))], steps, engine.stats().expert_weight_bytes,
-            backends[0].exchange)
+    stats = engine.stats()
+    return ([tokens[f"r{rank}-{i}"] for i in range(len(prompts))], steps, stats.expert_weight_bytes,
+            backends[0].exchange, stats.expert_replica_slots_filled)
 
 
 def run_instance(model: str, per_rank: list[list[list[int]]], runs: list[tuple[dict, float]],
@@ -100,19 +101,23 @@ def test_expert_parallel_greedy_tokens_equal_one_rank_with_all_experts(tiny_mode
     finally:
         torch.set_num_threads(threads)
     options = dict(dtype="float32", device="cpu", num_pages=64)
-    exchanges = [("splits", 2.0), ("fixed", fixed_capacity_factor)]
-    got = run_instance(model, per_rank, [(options | dict(expert_exchange=exchange), capacity_factor)
-                                         for exchange, capacity_factor in exchanges], timeout_s=150)
+    # the third: split sizes with a replica slot a rank, re-planned from the load after every step
+    exchanges = [("splits", 2.0), ("fixed", fixed_capacity_factor), ("splits", 2.0)]
+    replicas = dict(redundant_experts=1, expert_rebalance_steps=1)
+    got = run_instance(model, per_rank, [(options | dict(expert_exchange=exchange) | (replicas if run == 2 else {}),
+                                          capacity_factor)
+                                         for run, (exchange, capacity_factor) in enumerate(exchanges)], timeout_s=150)
     for run, (exchange, capacity_factor) in enumerate(exchanges):
         steps = {got[rank][run][1] for rank in got}
         assert len(steps) == 1, f"{exchange}: ranks ran different numbers of forward passes: {steps}"
         expected_tokens = iter(expected)
         for rank, prompts in enumerate(per_rank):
-            tokens, _, expert_bytes, stats = got[rank][run]
-            assert tokens == [next(expected_tokens) for _ in prompts], f"{exchange}: rank {rank}"
+            tokens, _, expert_bytes, stats, replica_slots_filled = got[rank][run]
+            assert tokens == [next(expected_tokens) for _ in prompts], f"run {run} ({exchange}): rank {rank}"
             assert expert_bytes * world_size == all_expert_bytes
             assert (stats.fixed_calls > 0) == (exchange == "fixed")
             assert (stats.overflow_steps > 0) == (capacity_factor < 1), stats  # every rank counts agreed overflows
+            assert (replica_slots_filled > 0) == (run == 2)  # the uneven prompts load some experts more
 
 
 @pytest.mark.gpu

@@ -6,6 +6,7 @@ import torch.distributed as dist
 from spawned_ranks import run_spawned_ranks
 
 from pdserve.http.ports import free_port
+from pdserve.ops.expert_placement import LayerPlacement, plan_replicas
 from pdserve.ops.moe import TorchMoE
 from pdserve.ops.moe_ep import (
     CompiledExpertParallelMoE,
@@ -21,6 +22,7 @@ from pdserve.ops.moe_grouped import GroupedMoE
 from tests.counting_backend import CountingBackend
 
 NUM_EXPERTS, HIDDEN, INTER, TOP_K = 8, 32, 16, 3
+SPARE = 2  # replica slots a rank, in the "-replicas" modes
 
 
 def random_problem(tokens_per_rank: list[int]):
@@ -56,16 +58,25 @@ def _rank_main(rank: int, world_size: int, port: int, tokens_per_rank: list[int]
             # The compiled form traced whole and run as traced (exact, and fast to build): the same ops as eager
             counting = CountingBackend()
             runs = CompiledExpertParallelMoE.build(backend, counting) if mode == "fixed-compiled" else backend
-            outs = [runs.forward(x, ids, weights, w13[first:first + count], w2[first:first + count], first)
+            placed, replicas_hold_their_experts = {}, None
+            if "-replicas" in mode:  # rank 0's experts 4x as loaded: replicas of them on the other ranks
+                placement = LayerPlacement.own_experts(w13[first:first + count], w2[first:first + count], SPARE,
+                                                       rank, world_size)
+                new_slots = placement.rebalance([4.0 if e < count else 1.0 for e in range(NUM_EXPERTS)])
+                placed = {"placement": placement}
+                replicas_hold_their_experts = new_slots > 0 and all(
+                    torch.equal(placement.w13[count + slot], w13[e]) and torch.equal(placement.w2[count + slot], w2[e])
+                    for slot, e in enumerate(placement.replicas[rank]))
+            outs = [runs.forward(x, ids, weights, w13[first:first + count], w2[first:first + count], first, **placed)
                     for _ in range(2)]  # twice: the second call reuses the same group state
             overflowed = backend.overflowed_anywhere() if fixed else False
             # Work beside the exchange (a layer's shared experts) is added to the routed sum
             beside = runs.forward(x, ids, weights, w13[first:first + count], w2[first:first + count], first,
-                                  beside=lambda: torch.full_like(x, 0.5))
+                                  beside=lambda: torch.full_like(x, 0.5), **placed)
             # As a numpy array: a tensor would cross as a shared file descriptor, which the parent cannot open once
             # this process has ended (seen in CI: FileNotFoundError in the parent's results.get).
             got[mode] = (outs[0].numpy(), torch.equal(outs[0], outs[1]), backend.exchange, overflowed,
-                         counting.graphs, torch.equal(beside, outs[0] + 0.5))
+                         counting.graphs, torch.equal(beside, outs[0] + 0.5), replicas_hold_their_experts)
         results.put((rank, got))
     finally:
         dist.destroy_process_group()
@@ -80,8 +91,8 @@ def run_ranks(tokens_per_rank: list[int], modes: list[str]) -> dict:
 # The compiled exchange traces the same ops as the eager one: checked at world 2 only (at world 4 it was 40 s of CI).
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("tokens_per_rank", "modes"), [
-    ([5, 9], ["split-sizes", "split-sizes-grouped", "fixed-capacity", "fixed-compiled"]),
-    ([7, 0, 12, 3], ["split-sizes", "split-sizes-grouped", "fixed-capacity"]),
+    ([5, 9], ["split-sizes", "split-sizes-grouped", "split-sizes-replicas", "fixed-capacity", "fixed-compiled"]),
+    ([7, 0, 12, 3], ["split-sizes", "split-sizes-grouped", "split-sizes-replicas-grouped", "fixed-capacity"]),
 ], ids=["world2", "world4-one-empty"])
 def test_expert_parallel_moe_equals_torch_moe_with_all_experts(tokens_per_rank, modes):
     w13, w2, inputs = random_problem(tokens_per_rank)
@@ -98,7 +109,8 @@ def test_expert_parallel_moe_equals_torch_moe_with_all_experts(tokens_per_rank, 
     for rank, num_tokens in enumerate(tokens_per_rank):
         (per_mode,) = got[rank]
         assert list(per_mode) == modes
-        for mode, (out, repeatable, stats, overflowed, compiled_graphs, beside_added) in per_mode.items():
+        for mode, (out, repeatable, stats, overflowed, compiled_graphs, beside_added, replicas_hold) in \
+                per_mode.items():
             fixed = not mode.startswith("split-sizes")
             out = torch.from_numpy(out)
             assert out.shape == (num_tokens, HIDDEN), mode
@@ -109,6 +121,9 @@ def test_expert_parallel_moe_equals_torch_moe_with_all_experts(tokens_per_rank, 
                 tolerance = 1e-5 if mode.endswith("-grouped") else 1e-6
                 torch.testing.assert_close(out, expected[rank], rtol=tolerance, atol=tolerance)
             assert repeatable and beside_added and stats.calls == 3 and stats.fixed_calls == (3 if fixed else 0), mode
+            assert replicas_hold is ("-replicas" in mode or None), mode
+            if "-replicas" in mode:
+                continue  # a replicated expert's pairs go to other ranks than its owner
             owners = torch.div(inputs[rank][1], NUM_EXPERTS // len(tokens_per_rank), rounding_mode="floor")
             rows = sum(len(set(token)) for token in owners.tolist())
             assert stats.sent_rows == 3 * (num_tokens * TOP_K if fixed else rows) and not overflowed, mode
