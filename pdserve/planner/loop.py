@@ -6,9 +6,11 @@ import threading
 import time
 from collections.abc import Callable
 
+import httpx
+
 from pdserve.planner.policy import Decision, Planner, PoolSizes
 from pdserve.planner.pools import Pools
-from pdserve.planner.traffic import RouterCounters, Traffic
+from pdserve.planner.traffic import RouterCounters, Traffic, scrape_routers
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +46,12 @@ def run_planner(planner: Planner, pools: Pools, read_counters: Callable[[], Rout
 
 def router_urls_now(discovery_urls: Callable[[], list[str]]) -> Callable[[], RouterCounters]:
     """A `read_counters` over whatever routers discovery names at each read."""
-    from pdserve.planner.traffic import scrape_routers
+    http = httpx.Client(timeout=5.0)  # one client for the loop's life: a new one a read loads the CA bundle again
 
     def read() -> RouterCounters:
         urls = discovery_urls()
         if not urls:
             raise RuntimeError("no router found")
-        return scrape_routers(urls, time.monotonic())
+        return scrape_routers(http, urls, time.monotonic())
 
     return read

@@ -75,9 +75,9 @@ class RouterCounters:
                    tuple(sorted(itl.items())))
 
 
-def scrape_routers(urls: list[str], at_s: float, timeout_s: float = 5.0) -> RouterCounters:
+def scrape_routers(http: httpx.Client, urls: list[str], at_s: float) -> RouterCounters:
     """Every router's /metrics, summed (the planner sees the whole front door, however many routers it has)."""
-    texts = [httpx.get(url.rstrip("/") + "/metrics", timeout=timeout_s).text for url in urls]
+    texts = [http.get(url.rstrip("/") + "/metrics").text for url in urls]
     return RouterCounters.parse(at_s, texts)
 
 

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+from probes import HTTP
 
 from pdserve.http.ports import free_port
 
@@ -50,15 +51,15 @@ def test_up_serves_and_ctrl_c_leaves_no_process_behind(tiny_v2, tmp_path):
         assert f"router:  http://127.0.0.1:{port}" in output, output
         worker_urls = re.findall(r"^(?:prefill|decode)-0: (http://\S+)", output, re.M)
         assert len(worker_urls) == 2, output
-        model = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"][0]["id"]
-        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+        model = HTTP.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"][0]["id"]
+        reply = HTTP.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                            json={"model": model, "prompt": "The quick brown fox", "max_tokens": 5})
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 5
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
         for url in [f"http://127.0.0.1:{port}", *worker_urls]:
             try:
-                httpx.get(url + "/health", timeout=2)
+                HTTP.get(url + "/health", timeout=2)
                 raise AssertionError(f"{url} still answers after Ctrl-C")
             except httpx.HTTPError:
                 pass

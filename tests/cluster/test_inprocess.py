@@ -4,9 +4,8 @@ handed from the prefill pool to the decode pool over NIXL inside one process."""
 import socket
 import threading
 
-import httpx
 import pytest
-from probes import internal_headers, metric_total
+from probes import HTTP, internal_headers, metric_total
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.inprocess import InProcessCluster
@@ -27,8 +26,8 @@ def test_a_disaggregated_request_gets_the_offline_engine_tokens_and_the_cluster_
     threads_before = step_threads()  # other clusters of this session may be running
     with InProcessCluster(cfg) as cluster:
         prefill, decode = cluster.workers
-        model = httpx.get(cluster.url + "/v1/models", timeout=TIMEOUT_S).json()["data"][0]["id"]
-        response = httpx.post(cluster.url + "/v1/completions", timeout=TIMEOUT_S, json={
+        model = HTTP.get(cluster.url + "/v1/models", timeout=TIMEOUT_S).json()["data"][0]["id"]
+        response = HTTP.post(cluster.url + "/v1/completions", timeout=TIMEOUT_S, json={
             "model": model, "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True})
         assert response.status_code == 200, response.text
@@ -37,8 +36,8 @@ def test_a_disaggregated_request_gets_the_offline_engine_tokens_and_the_cluster_
         assert prefill.name.startswith("prefill") and decode.name.startswith("decode")
         assert metric_total(prefill.url, "pdserve_kv_transfer_seconds_count") >= 1
         # The internal API is closed without the credential, as in a worker process.
-        assert httpx.get(decode.url + "/internal/v1/info", timeout=TIMEOUT_S).status_code == 401
-        assert httpx.get(decode.url + "/internal/v1/info", headers=internal_headers(),
+        assert HTTP.get(decode.url + "/internal/v1/info", timeout=TIMEOUT_S).status_code == 401
+        assert HTTP.get(decode.url + "/internal/v1/info", headers=internal_headers(),
                          timeout=TIMEOUT_S).status_code == 200
         ports = [int(part.url.rsplit(":", 1)[1]) for part in (cluster.router, *cluster.workers)]
         assert len(step_threads()) == len(threads_before) + 2

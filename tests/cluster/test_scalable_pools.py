@@ -7,7 +7,7 @@ import time
 
 import httpx
 import pytest
-from probes import metric_total
+from probes import HTTP, metric_total
 
 from pdserve.cluster.inprocess import InProcessCluster
 from pdserve.cluster.layout import ClusterConfig
@@ -30,7 +30,7 @@ def test_file_discovery_follows_the_file_and_treats_a_missing_one_as_empty(tmp_p
 
 
 def routable_workers(router_url: str) -> set[str]:
-    seen = httpx.get(router_url + "/health", timeout=TIMEOUT_S).json().get("workers", {})
+    seen = HTTP.get(router_url + "/health", timeout=TIMEOUT_S).json().get("workers", {})
     return {url for url, state in seen.items() if state == "ok"}
 
 
@@ -42,7 +42,7 @@ def wait_for(condition, timeout_s: float = TIMEOUT_S) -> None:
 
 
 def complete(router_url: str, model: str, max_tokens: int = 8) -> httpx.Response:
-    return httpx.post(router_url + "/v1/completions", timeout=TIMEOUT_S, json={
+    return HTTP.post(router_url + "/v1/completions", timeout=TIMEOUT_S, json={
         "model": model, "prompt": list(range(5, 45)), "max_tokens": max_tokens, "temperature": 0,
         "ignore_eos": True})
 
@@ -51,7 +51,7 @@ def test_a_decode_worker_added_takes_requests_and_one_removed_drains_without_a_f
     cfg = ClusterConfig(model=tiny_v2, port=0, num_prefill=1, num_decode=1, scalable=True,
                         worker_args=("--dtype", "float32"), router_args=("--health-interval-s", "0.2"))
     with InProcessCluster(cfg) as cluster:
-        model = httpx.get(cluster.url + "/v1/models", timeout=TIMEOUT_S).json()["data"][0]["id"]
+        model = HTTP.get(cluster.url + "/v1/models", timeout=TIMEOUT_S).json()["data"][0]["id"]
         first_decode = cluster.workers[1]
         added = cluster.add_worker("decode")
         assert added.name == "decode-1"

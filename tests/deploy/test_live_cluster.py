@@ -4,18 +4,18 @@ import dataclasses
 import re
 from pathlib import Path
 
-import httpx
 import pytest
 
 from deploy.dashboards import dashboard_metric_names, dashboard_queries, expand_grafana_variables, load_dashboards
 from deploy.prometheus import StaticTarget, config_yaml, prometheus_config, scrape_settings_from_chart, static_scrape_job
 from deploy.prometheus_local import LocalPrometheus, prometheus_available
+from probes import HTTP
 
 
 def send_traffic(cluster, count: int = 6) -> None:
-    model = httpx.get(cluster.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    model = HTTP.get(cluster.url + "/v1/models", timeout=10).json()["data"][0]["id"]
     for i in range(count):
-        response = httpx.post(cluster.url + "/v1/completions", timeout=60, json={
+        response = HTTP.post(cluster.url + "/v1/completions", timeout=60, json={
             "model": model, "prompt": f"Shared system prompt for the dashboards. Request {i}.", "max_tokens": 6,
             "stream": i % 2 == 0})
         assert response.status_code == 200
@@ -24,7 +24,7 @@ def send_traffic(cluster, count: int = 6) -> None:
 def exposed_names(cluster) -> set[str]:
     names = set()
     for url in [cluster.url] + [w.url for w in cluster.workers]:
-        text = httpx.get(url + "/metrics", timeout=10).text
+        text = HTTP.get(url + "/metrics", timeout=10).text
         names |= {m.group(1) for m in re.finditer(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)[{ ]", text, re.M)}
     return names
 

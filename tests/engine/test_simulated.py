@@ -3,7 +3,6 @@ a measured step profile predicts; checked against the profile's own table and th
 
 import time
 
-import httpx
 import pytest
 
 from pdserve import SamplingParams
@@ -13,7 +12,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.step_profile import DEFAULT_PROFILE, StepProfile
 
-from probes import metric_total
+from probes import HTTP, metric_total
 
 PROFILE = StepProfile.load(DEFAULT_PROFILE)
 TIMEOUT_S = 60.0
@@ -66,9 +65,9 @@ def test_simulated_prefill_and_decode_workers_serve_through_the_router_in_profil
                         worker_args=("--engine", "simulated", "--page-size", "64", "--no-warmup"))
     with InProcessCluster(cfg) as cluster:
         prefill, decode = cluster.workers
-        model = httpx.get(cluster.url + "/v1/models", timeout=TIMEOUT_S).json()["data"][0]["id"]
+        model = HTTP.get(cluster.url + "/v1/models", timeout=TIMEOUT_S).json()["data"][0]["id"]
         started = time.monotonic()
-        response = httpx.post(cluster.url + "/v1/completions", timeout=TIMEOUT_S, json={
+        response = HTTP.post(cluster.url + "/v1/completions", timeout=TIMEOUT_S, json={
             "model": model, "prompt": [3 + i % 500 for i in range(2000)], "max_tokens": 20, "ignore_eos": True})
         elapsed_s = time.monotonic() - started
         assert response.status_code == 200, response.text

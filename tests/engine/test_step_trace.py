@@ -8,9 +8,8 @@ import itertools
 import time
 from pathlib import Path
 
-import httpx
 import pytest
-from probes import eventually
+from probes import HTTP, eventually
 
 from pdserve.cluster.inprocess import InProcessCluster
 from pdserve.cluster.layout import ClusterConfig
@@ -176,8 +175,8 @@ def test_a_worker_started_with_step_trace_writes_its_ranks_file(tiny_v2, tmp_pat
                         worker_args=("--dtype", "float32", "--no-warmup", "--max-num-batched-tokens", "16",
                                      "--step-trace", str(trace)))
     with InProcessCluster(cfg) as cluster:
-        model = httpx.get(cluster.url + "/v1/models", timeout=TIMEOUT_S).json()["data"][0]["id"]
-        response = httpx.post(cluster.url + "/v1/completions", timeout=TIMEOUT_S, json={
+        model = HTTP.get(cluster.url + "/v1/models", timeout=TIMEOUT_S).json()["data"][0]["id"]
+        response = HTTP.post(cluster.url + "/v1/completions", timeout=TIMEOUT_S, json={
             "model": model, "prompt": list(range(7, 7 + 45)), "max_tokens": 5, "temperature": 0, "ignore_eos": True})
         assert response.status_code == 200, response.text
     records = read_trace(rank_trace_path(str(trace), "both", 0))

@@ -5,6 +5,7 @@ import threading
 import time
 
 import httpx
+from probes import HTTP
 
 from pdserve.cluster.inprocess import InProcessCluster
 from pdserve.cluster.layout import ClusterConfig
@@ -32,7 +33,7 @@ def test_the_planner_grows_the_prefill_pool_under_load_and_shrinks_it_after(tiny
     planner_cfg = PlannerConfig(interval_s=0.5, lookahead_s=0, scale_down_window_s=2.0, prefill_utilization=0.005,
                                 max_prefill=2, max_decode=1)
     with InProcessCluster(cfg, transfer="inprocess") as cluster:
-        model = httpx.get(cluster.url + "/v1/models", timeout=TIMEOUT_S).json()["data"][0]["id"]
+        model = HTTP.get(cluster.url + "/v1/models", timeout=TIMEOUT_S).json()["data"][0]["id"]
         pools = ClusterPools(cluster, drain_timeout_s=TIMEOUT_S)
         stop_planner, stop_load = threading.Event(), threading.Event()
         decisions = []

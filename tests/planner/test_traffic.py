@@ -3,8 +3,8 @@ real routers' /metrics, summed over routers."""
 
 import time
 
-import httpx
 import pytest
+from probes import HTTP
 from starlette.testclient import TestClient
 
 from pdserve.planner.traffic import RouterCounters, Traffic, histogram_quantile, scrape_routers
@@ -43,16 +43,16 @@ def test_the_rate_counts_requests_at_their_first_token_and_the_lengths_come_from
 
 def test_requests_through_a_real_router_are_counted_with_their_lengths(pd_cluster):
     url = pd_cluster.url
-    model = httpx.get(url + "/v1/models", timeout=TIMEOUT_S).json()["data"][0]["id"]
-    earlier = scrape_routers([url], time.monotonic())
+    model = HTTP.get(url + "/v1/models", timeout=TIMEOUT_S).json()["data"][0]["id"]
+    earlier = scrape_routers(HTTP, [url], time.monotonic())
     for prompt_len, max_tokens in ((20, 4), (40, 8), (60, 12)):
-        response = httpx.post(url + "/v1/completions", timeout=TIMEOUT_S, json={
+        response = HTTP.post(url + "/v1/completions", timeout=TIMEOUT_S, json={
             "model": model, "prompt": list(range(5, 5 + prompt_len)), "max_tokens": max_tokens, "ignore_eos": True,
             "stream": max_tokens == 8})
         assert response.status_code == 200, response.text
     # The same router twice: a planner in front of two routers sums them.
-    later = scrape_routers([url, url], time.monotonic())
-    once = scrape_routers([url], later.at_s)
+    later = scrape_routers(HTTP, [url, url], time.monotonic())
+    once = scrape_routers(HTTP, [url], later.at_s)
     traffic = Traffic.between(earlier, once)
     assert traffic.request_rate * traffic.duration_s == pytest.approx(3)
     assert traffic.mean_prompt_tokens == pytest.approx(40)

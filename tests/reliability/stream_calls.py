@@ -5,8 +5,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import httpx
-from probes import internal_headers
+from probes import HTTP, internal_headers
 
 TIMEOUT_S = 120.0
 STREAMING_AFTER_TOKENS = 20
@@ -31,7 +30,7 @@ def stream_completion(router_url: str, model: str, prompt: str | list[int], max_
             "ignore_eos": True, "return_token_ids": True, **extra}
     result = StreamResult()
     started = time.monotonic()
-    with httpx.stream("POST", router_url + "/v1/completions", json=body, timeout=timeout_s) as response:
+    with HTTP.stream("POST", router_url + "/v1/completions", json=body, timeout=timeout_s) as response:
         result.status_code = response.status_code
         if response.status_code != 200:
             response.read()
@@ -61,11 +60,11 @@ def stream_completion(router_url: str, model: str, prompt: str | list[int], max_
 
 
 def model_of(router_url: str) -> str:
-    return httpx.get(router_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    return HTTP.get(router_url + "/v1/models", timeout=10).json()["data"][0]["id"]
 
 
 def worker_load(worker_url: str) -> list[dict]:
-    return httpx.get(worker_url + "/internal/v1/load", headers=internal_headers(), timeout=10).json()["ranks"]
+    return HTTP.get(worker_url + "/internal/v1/load", headers=internal_headers(), timeout=10).json()["ranks"]
 
 
 def pages_at_rest(worker_url: str) -> bool:

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from probes import eventually, internal_headers
+from probes import HTTP, eventually, internal_headers
 from stream_calls import model_of, pages_at_rest, stream_completion
 
 READ_TIMEOUT_S = 3.0  # a valid request may generate for long; its status is all we read
@@ -28,7 +28,7 @@ def status_of(url: str, content: bytes, headers: dict | None = None) -> int:
     """POST and return the status; a request still generating when the read timeout hits counts as accepted (the
     router aborts it when we leave)."""
     try:
-        with httpx.stream("POST", url, content=content, timeout=httpx.Timeout(10.0, read=READ_TIMEOUT_S),
+        with HTTP.stream("POST", url, content=content, timeout=httpx.Timeout(10.0, read=READ_TIMEOUT_S),
                           headers=headers or {"content-type": "application/json"}) as response:
             return response.status_code
     except httpx.ReadTimeout:
@@ -36,7 +36,7 @@ def status_of(url: str, content: bytes, headers: dict | None = None) -> int:
 
 
 def schema_fields(cluster, name: str) -> dict:
-    document = httpx.get(cluster.url + "/openapi.json", timeout=10).json()
+    document = HTTP.get(cluster.url + "/openapi.json", timeout=10).json()
     return document["components"]["schemas"][name]["properties"]
 
 
@@ -101,7 +101,7 @@ def test_malformed_bodies_never_get_a_5xx(pd_cluster, model, path):
 
 
 def test_a_prompt_token_id_outside_the_vocabulary_is_a_400_naming_the_prompt(pd_cluster, model):
-    response = httpx.post(pd_cluster.url + "/v1/completions", json={"model": model, "prompt": [5, 10**6]}, timeout=30)
+    response = HTTP.post(pd_cluster.url + "/v1/completions", json={"model": model, "prompt": [5, 10**6]}, timeout=30)
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
 
 
@@ -127,12 +127,12 @@ def test_random_json_to_the_worker_internal_api_never_gets_a_5xx(pd_cluster):
     check()
     for prompt in ([10**6], [-1], [2**62]):  # outside the vocabulary: refused, and the rank survives
         body = {"request_id": "oov", "rank": 0, "prompt_token_ids": prompt, "sampling": {"max_tokens": 2}}
-        response = httpx.post(worker.url + "/internal/v1/generate", json=body, headers=internal_headers(), timeout=30)
+        response = HTTP.post(worker.url + "/internal/v1/generate", json=body, headers=internal_headers(), timeout=30)
         assert response.status_code < 500 and "error" in response.text
     for query in ("rank=0&after=abc", "rank=99", "rank=-1", f"rank={2**70}", "rank=0&after=" + "9" * 40):
         for path in ("/internal/v1/transfer/metadata", "/internal/v1/kv_events"):
             try:
-                with httpx.stream("GET", f"{worker.url}{path}?{query}", headers=internal_headers(),
+                with HTTP.stream("GET", f"{worker.url}{path}?{query}", headers=internal_headers(),
                                   timeout=httpx.Timeout(10, read=2)) as response:
                     assert response.status_code < 500, (path, query)
             except httpx.ReadTimeout:
@@ -143,5 +143,5 @@ def test_the_cluster_serves_normally_after_the_fuzzing(pd_cluster, model):
     result = stream_completion(pd_cluster.url, model, "after the fuzz", 8)
     assert not result.errors and result.finish_reason == "length" and len(result.token_ids) == 8
     for worker in pd_cluster.workers:
-        assert httpx.get(worker.url + "/health", timeout=10).status_code == 200
+        assert HTTP.get(worker.url + "/health", timeout=10).status_code == 200
         assert eventually(lambda w=worker: pages_at_rest(w.url), timeout_s=30)

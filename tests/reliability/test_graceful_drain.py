@@ -5,9 +5,8 @@ import signal
 import threading
 import time
 
-import httpx
 import pytest
-from probes import eventually
+from probes import HTTP, eventually
 from stream_calls import TIMEOUT_S, model_of, running, stream_completion
 
 from pdserve.cluster.local import ClusterConfig, LocalCluster
@@ -36,9 +35,9 @@ def test_sigterm_drains_the_stream_routes_new_work_elsewhere_and_exits(cluster):
 
     signalled_s = time.monotonic()
     serving.process.send_signal(signal.SIGTERM)
-    health = httpx.get(serving.url + "/health", timeout=10)
+    health = HTTP.get(serving.url + "/health", timeout=10)
     assert health.status_code == 503 and health.json()["status"] == "draining"
-    assert eventually(lambda: httpx.get(cluster.url + "/health", timeout=5).json()["workers"][serving.url] == "draining",
+    assert eventually(lambda: HTTP.get(cluster.url + "/health", timeout=5).json()["workers"][serving.url] == "draining",
                       timeout_s=10)
     for i in range(3):  # new requests go to the other worker while the stream drains
         new = stream_completion(cluster.url, model, f"new request {i}", 8)

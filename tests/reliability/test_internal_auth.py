@@ -5,9 +5,8 @@ stay open. The credential itself: where a process finds it, and that a second pr
 import os
 import stat
 
-import httpx
 import pytest
-from probes import eventually, internal_headers, metric_total
+from probes import HTTP, eventually, internal_headers, metric_total
 from stream_calls import pages_at_rest
 
 from pdserve.http.internal_auth import TOKEN_ENV, internal_token_from
@@ -46,7 +45,7 @@ def test_every_internal_call_without_the_credential_is_refused_and_does_nothing(
             ("GET", "/internal/v1/transfer/metadata?rank=0", None),
         ]
         for method, path, body in calls:
-            response = httpx.request(method, url + path, json=body, headers=headers, timeout=10)
+            response = HTTP.request(method, url + path, json=body, headers=headers, timeout=10)
             assert response.status_code == 401, (url, path, response.status_code)
             assert response.json()["error"]["code"] == "unauthorized"
             assert "agent_metadata" not in response.text and "page_size" not in response.text
@@ -57,9 +56,9 @@ def test_every_internal_call_without_the_credential_is_refused_and_does_nothing(
 
 def test_probes_and_metrics_need_no_credential_and_the_right_one_passes(worker_urls):
     for url in worker_urls:
-        assert httpx.get(url + "/health", timeout=10).status_code == 200
-        assert httpx.get(url + "/metrics", timeout=10).status_code == 200
-        assert httpx.get(url + "/internal/v1/info", headers=internal_headers(), timeout=10).status_code == 200
+        assert HTTP.get(url + "/health", timeout=10).status_code == 200
+        assert HTTP.get(url + "/metrics", timeout=10).status_code == 200
+        assert HTTP.get(url + "/internal/v1/info", headers=internal_headers(), timeout=10).status_code == 200
 
 
 def test_a_process_finds_its_credential_file_first_then_environment_then_a_shared_default_file(tmp_path, monkeypatch):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from probes import HTTP
 
 from pdserve.http.ports import free_port
 from pdserve_router.admission import authenticate
@@ -50,7 +51,7 @@ def keyed_router(tiny_v2, tmp_path_factory):
             assert process.poll() is None, process.stderr.read().decode()[-2000:]
             assert time.monotonic() < deadline, "router did not start"
             try:
-                if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                if HTTP.get(url + "/health", timeout=1.0).status_code == 200:
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
@@ -72,12 +73,12 @@ def call(url: str, method: str, path: str, authorization: str | None, model: str
     path = re.sub(r"\{[^}]*\}", model, path)  # path parameters (/v1/models/{model_id}) name the served model
     body = {"model": model, "prompt": "hi", "max_tokens": 1} if "chat" not in path else \
         {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-    return httpx.request(method, url + path, headers=headers, json=body if method == "POST" else None, timeout=10)
+    return HTTP.request(method, url + path, headers=headers, json=body if method == "POST" else None, timeout=10)
 
 
 def test_every_v1_route_needs_the_key_and_the_right_key_passes(keyed_router, tiny_v2):
     routes = v1_routes(tiny_v2)
-    model = httpx.get(keyed_router + "/v1/models", headers={"Authorization": "Bearer " + API_KEY},
+    model = HTTP.get(keyed_router + "/v1/models", headers={"Authorization": "Bearer " + API_KEY},
                       timeout=10).json()["data"][0]["id"]
     assert {path for _, path in routes} >= {"/v1/models", "/v1/completions", "/v1/chat/completions"}
     for method, path in routes:
@@ -88,7 +89,7 @@ def test_every_v1_route_needs_the_key_and_the_right_key_passes(keyed_router, tin
         right = call(keyed_router, method, path, "Bearer " + API_KEY, model)
         # Past authentication: the models list, or 503 (the only worker is unreachable), never 401.
         assert right.status_code in (200, 503), (method, path, right.text)
-    assert httpx.get(keyed_router + "/v1/models", headers={"Authorization": "Bearer sk-another-key"},
+    assert HTTP.get(keyed_router + "/v1/models", headers={"Authorization": "Bearer sk-another-key"},
                      timeout=10).status_code == 200
 
 

@@ -12,9 +12,8 @@ import threading
 import time
 from urllib.parse import urlsplit
 
-import httpx
 import pytest
-from probes import eventually, internal_headers
+from probes import HTTP, eventually, internal_headers
 from stream_calls import model_of, pages_at_rest, running
 
 SLACK_S = 5.0  # on top of a bound: a 2-core box shared with other jobs
@@ -98,7 +97,7 @@ def normal_completions(url: str, model: str, count: int = 3) -> list[float]:
     seconds = []
     for _ in range(count):
         started = time.monotonic()
-        response = httpx.post(url + "/v1/completions", content=completion_body(model, 8), timeout=NORMAL_TIMEOUT_S,
+        response = HTTP.post(url + "/v1/completions", content=completion_body(model, 8), timeout=NORMAL_TIMEOUT_S,
                               headers={"content-type": "application/json"})
         assert response.status_code == 200, response.text
         assert len(response.json()["choices"][0]["token_ids"]) == 8
@@ -126,7 +125,7 @@ def assert_timed_out(result: tuple[float, bytes], bound_s: float, answered_befor
 
 
 def client_disconnected_count(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = HTTP.get(url + "/metrics", timeout=10).text
     match = re.search(r'^pdserve_requests_total\{[^}]*status="client_disconnected"[^}]*\} (\S+)$', text, re.M)
     return float(match.group(1)) if match else 0.0
 
@@ -244,7 +243,7 @@ def test_worker_internal_api_bounds_slow_heads_and_bodies(pd_cluster, model, clu
     stalled_head = lambda: slow_request(worker.url, b"GET /internal/v1/load HTTP/1.1\r\nho")  # noqa: E731
     for result in while_slow_clients(pd_cluster.url, model, trickled_body, stalled_head):
         assert_timed_out(result, bound_s)
-    assert httpx.get(worker.url + "/internal/v1/load", headers=internal_headers(), timeout=10).status_code == 200
+    assert HTTP.get(worker.url + "/internal/v1/load", headers=internal_headers(), timeout=10).status_code == 200
 
 
 def test_stream_reader_that_stops_then_closes_frees_its_worker(pd_cluster, model, cluster_stays_well):

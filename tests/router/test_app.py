@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from probes import HTTP
 
 from pdserve_router.app import build_router_app
 from pdserve_router.config import RouterConfig
@@ -57,7 +58,7 @@ def keyed_router(tiny_model_dir):
 
 
 def post(router, path, **kwargs) -> httpx.Response:
-    return httpx.post(router.url + path, timeout=10, **kwargs)
+    return HTTP.post(router.url + path, timeout=10, **kwargs)
 
 
 def assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
@@ -142,20 +143,20 @@ def test_unknown_fields_and_nulls_are_accepted_and_reach_the_no_worker_503(route
 
 
 def test_unknown_route_gives_openai_shaped_404(router):
-    assert_openai_error(httpx.get(router.url + "/v1/nothing", timeout=10), 404)
+    assert_openai_error(HTTP.get(router.url + "/v1/nothing", timeout=10), 404)
 
 
 def test_models_health_and_metrics_answer(router):
-    models = httpx.get(router.url + "/v1/models", timeout=10).json()
+    models = HTTP.get(router.url + "/v1/models", timeout=10).json()
     assert [m["id"] for m in models["data"]] == ["tiny"]
-    assert httpx.get(router.url + "/health", timeout=10).json() == {"status": "ok", "workers": {}}
+    assert HTTP.get(router.url + "/health", timeout=10).json() == {"status": "ok", "workers": {}}
     assert_openai_error(post(router, "/v1/completions", json={**GOOD_COMPLETION, "model": "gpt-9"}), 404)  # counted
-    metrics = httpx.get(router.url + "/metrics", timeout=10).text
+    metrics = HTTP.get(router.url + "/metrics", timeout=10).text
     assert "pdserve_requests_total" in metrics and 'status="rejected"' in metrics
 
 
 def test_openapi_schema_describes_the_request_bodies(router):
-    document = httpx.get(router.url + "/openapi.json", timeout=10).json()
+    document = HTTP.get(router.url + "/openapi.json", timeout=10).json()
     assert "CompletionRequest" in document["components"]["schemas"]
     assert "max_tokens" in document["components"]["schemas"]["CompletionRequest"]["properties"]
 
@@ -163,10 +164,10 @@ def test_openapi_schema_describes_the_request_bodies(router):
 def test_missing_or_wrong_api_key_gives_401_and_right_key_passes(keyed_router):
     assert_openai_error(post(keyed_router, "/v1/completions", json=GOOD_COMPLETION), 401)
     assert_openai_error(post(keyed_router, "/v1/completions", json=GOOD_COMPLETION, headers={"Authorization": "Bearer sk-wrong"}), 401)
-    assert_openai_error(httpx.get(keyed_router.url + "/v1/models", timeout=10), 401)
-    ok = httpx.get(keyed_router.url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
+    assert_openai_error(HTTP.get(keyed_router.url + "/v1/models", timeout=10), 401)
+    ok = HTTP.get(keyed_router.url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
     assert ok.status_code == 200
-    assert httpx.get(keyed_router.url + "/health", timeout=10).status_code == 200  # probes need no key
+    assert HTTP.get(keyed_router.url + "/health", timeout=10).status_code == 200  # probes need no key
 
 
 def test_openai_sdk_sees_typed_errors(keyed_router):

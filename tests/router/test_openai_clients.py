@@ -11,11 +11,10 @@ import threading
 import time
 from typing import Literal
 
-import httpx
 import jsonschema
 import openai
 import pytest
-from probes import wait_for
+from probes import HTTP, wait_for
 from pydantic import BaseModel, Field
 
 from pdserve import LLM, SamplingParams
@@ -239,7 +238,7 @@ def test_a_huge_prompt_being_tokenized_does_not_stall_another_stream(cluster, mo
     def read_stream() -> None:
         body = {"model": model, "prompt": "Stream on", "max_tokens": 3000, "temperature": 0, "ignore_eos": True,
                 "stream": True}
-        with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=120) as response:
+        with HTTP.stream("POST", cluster.url + "/v1/completions", json=body, timeout=120) as response:
             for line in response.iter_lines():
                 if line.startswith("data: {"):
                     arrivals.append(time.monotonic())
@@ -252,7 +251,7 @@ def test_a_huge_prompt_being_tokenized_does_not_stall_another_stream(cluster, mo
         wait_for(lambda: len(arrivals) >= 3, 60, "the stream's first tokens")
         started = time.monotonic()
         huge = ("lorem ipsum dolor sit amet " * (4 * 2**20 // 27 + 1))[: 4 * 2**20]
-        response = httpx.post(cluster.url + "/v1/completions", json={"model": model, "prompt": huge, "max_tokens": 1},
+        response = HTTP.post(cluster.url + "/v1/completions", json={"model": model, "prompt": huge, "max_tokens": 1},
                               timeout=120)
         finished = time.monotonic()
     finally:

@@ -4,6 +4,7 @@
 
 import httpx
 import pytest
+from probes import HTTP
 
 from pdserve.text.generation_defaults import GenerationDefaults
 from pdserve_router import openai_schema as schema
@@ -28,7 +29,7 @@ def router(tiny_v3_deepseek):
 
 
 def post(router, path, body) -> httpx.Response:
-    return httpx.post(router.url + path, json=body, timeout=30)
+    return HTTP.post(router.url + path, json=body, timeout=30)
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [
@@ -99,7 +100,7 @@ def test_an_over_bound_prompt_is_refused_before_any_tokenization_starts(router):
 
 def test_tool_calls_and_tool_results_are_kept_in_the_rendered_history(router):
     body = post(router, "/tokenize", {"model": "tiny", "messages": TOOL_CALL_HISTORY, "return_token_strs": True}).json()
-    text = httpx.post(router.url + "/detokenize", json={"tokens": body["tokens"]}, timeout=30).json()["prompt"]
+    text = HTTP.post(router.url + "/detokenize", json={"tokens": body["tokens"]}, timeout=30).json()["prompt"]
     assert "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather" in text and '{"city":"Paris"}' in text
     assert "<｜tool▁output▁begin｜>sunny and 21 C<｜tool▁output▁end｜>" in text
     assert body["count"] == len(body["tokens"]) == len(body["token_strs"]) and body["max_model_len"] == 4096
@@ -109,7 +110,7 @@ def test_tool_calls_and_tool_results_are_kept_in_the_rendered_history(router):
 def test_tools_are_rendered_into_the_prompt(router):
     with_tools = post(router, "/tokenize", {"messages": CHAT["messages"], "tools": [TOOL]}).json()["tokens"]
     without = post(router, "/tokenize", {"messages": CHAT["messages"]}).json()["tokens"]
-    text = httpx.post(router.url + "/detokenize", json={"tokens": with_tools}, timeout=30).json()["prompt"]
+    text = HTTP.post(router.url + "/detokenize", json={"tokens": with_tools}, timeout=30).json()["prompt"]
     assert len(with_tools) > len(without) and '"name": "get_weather"' in text
 
 
@@ -133,13 +134,13 @@ def test_tokenize_and_detokenize_errors(router, path, body, status, param):
 
 
 def test_model_by_id(router):
-    assert httpx.get(router.url + "/v1/models/tiny", timeout=10).json()["id"] == "tiny"
-    error = assert_openai_error(httpx.get(router.url + "/v1/models/gpt-9", timeout=10), 404, "model")
+    assert HTTP.get(router.url + "/v1/models/tiny", timeout=10).json()["id"] == "tiny"
+    error = assert_openai_error(HTTP.get(router.url + "/v1/models/gpt-9", timeout=10), 404, "model")
     assert error["code"] == "model_not_found"
 
 
 def test_openapi_documents_every_4xx_of_each_route(router):
-    paths = httpx.get(router.url + "/openapi.json", timeout=10).json()["paths"]
+    paths = HTTP.get(router.url + "/openapi.json", timeout=10).json()["paths"]
     expected = {("/v1/chat/completions", "post"): {"400", "401", "404", "408", "413", "429"},
                 ("/v1/completions", "post"): {"400", "401", "404", "408", "413", "429"},
                 ("/tokenize", "post"): {"400", "401", "404", "408", "413"},

@@ -5,12 +5,11 @@ it answers again."""
 import os
 import signal
 
-import httpx
 import pytest
 
 from pdserve.cluster.local import ClusterConfig, LocalCluster
 
-from probes import eventually, metric_total
+from probes import HTTP, eventually, metric_total
 
 UNRESPONSIVE_AFTER_S = 6.0
 TIMEOUT_S = 30.0
@@ -34,10 +33,10 @@ def test_an_unresponsive_worker_is_ejected_only_after_the_grace_period_and_readm
             assert eventually(lambda: ejections(cluster.url) >= 1, 10.0, interval_s=0.2)
         finally:
             os.killpg(worker.process.pid, signal.SIGCONT)
-        model = httpx.get(cluster.url + "/v1/models", timeout=TIMEOUT_S).json()["data"][0]["id"]
+        model = HTTP.get(cluster.url + "/v1/models", timeout=TIMEOUT_S).json()["data"][0]["id"]
 
         def serves() -> bool:
-            response = httpx.post(cluster.url + "/v1/completions", timeout=TIMEOUT_S,
+            response = HTTP.post(cluster.url + "/v1/completions", timeout=TIMEOUT_S,
                                   json={"model": model, "prompt": "hello", "max_tokens": 2})
             return response.status_code == 200
 

@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from probes import internal_headers, metric_total
+from probes import HTTP, internal_headers, metric_total
 from worker_calls import TIMEOUT_S, disaggregated, generate, pages_at_rest, token_ids
 
 from pdserve import SamplingParams
@@ -80,7 +80,7 @@ def test_abort_mid_stream_ends_with_abort_and_frees_pages(cluster):
     plan_thread.start()
     time.sleep(2.0)
     # what the router sends when its client disconnects
-    assert httpx.post(decode.url + "/internal/v1/abort", json={"request_id": "to-abort"}, headers=internal_headers(),
+    assert HTTP.post(decode.url + "/internal/v1/abort", json={"request_id": "to-abort"}, headers=internal_headers(),
                       timeout=5).json()["aborted"]
     plan_thread.join(timeout=TIMEOUT_S)
     assert not plan_thread.is_alive()

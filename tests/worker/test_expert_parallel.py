@@ -10,10 +10,9 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
-from probes import health_status, internal_token, wait_for
+from probes import HTTP, health_status, internal_token, wait_for
 
 from pdserve.http.ports import free_port
 from pdserve.engine.llm import LLM
@@ -60,7 +59,7 @@ def rank_actor_pids(worker_pid: int) -> list[int]:
 def per_rank(url: str, metric: str) -> dict[int, float]:
     """A metric's samples summed per rank, as scraped."""
     totals: dict[int, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=10.0).text.splitlines():
+    for line in HTTP.get(url + "/metrics", timeout=10.0).text.splitlines():
         if line.startswith(metric + "{"):
             rank = int(line.split('rank="', 1)[1].split('"', 1)[0])
             totals[rank] = totals.get(rank, 0.0) + float(line.rsplit(" ", 1)[1])
@@ -136,7 +135,7 @@ def test_expert_parallel_worker_serves_offline_tokens_and_restarts_after_a_rank_
     warm_up_pairs = per_rank(url, "pdserve_expert_tokens_total")  # the ranks' warm-up prompts were routed too
     assert asyncio.run(generate_all(url, "before")) == offline_tokens
 
-    metrics = httpx.get(url + "/metrics", timeout=10.0).text
+    metrics = HTTP.get(url + "/metrics", timeout=10.0).text
     expert_bytes = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                     if line.startswith("pdserve_expert_weight_bytes{")]
     assert len(expert_bytes) == 2 and expert_bytes[0] == expert_bytes[1] > 0

@@ -7,7 +7,7 @@ tests/disagg/test_handoff.py::test_a_forged_prefill_plan_is_refused_and_writes_n
 
 import httpx
 import pytest
-from probes import Listener, eventually, internal_headers, metric_total
+from probes import HTTP, Listener, eventually, internal_headers, metric_total
 from worker_calls import disaggregated, pages_at_rest, token_ids
 
 from pdserve import SamplingParams
@@ -29,7 +29,7 @@ def listener():
 
 def post_generate(url: str, plan: dict, request_id: str = "forged") -> httpx.Response:
     body = {"request_id": request_id, "rank": 0, "prompt_token_ids": PROMPT, "sampling": {"max_tokens": 1}, "plan": plan}
-    return httpx.post(url + "/internal/v1/generate", json=body, headers=internal_headers(), timeout=30)
+    return HTTP.post(url + "/internal/v1/generate", json=body, headers=internal_headers(), timeout=30)
 
 
 def test_a_prefill_plan_naming_an_unknown_destination_is_refused_without_fetching_it(pd_cluster, listener):
@@ -72,9 +72,9 @@ def test_a_decode_plan_naming_an_unknown_prefill_worker_is_refused_without_calli
 def test_no_endpoint_hands_out_a_pools_memory_keys_without_a_reservation_token(pd_cluster):
     decode = worker(pd_cluster, "decode").url
     for w in pd_cluster.workers:
-        assert httpx.get(w.url + "/internal/v1/transfer/metadata", params={"rank": 0},
+        assert HTTP.get(w.url + "/internal/v1/transfer/metadata", params={"rank": 0},
                          headers=internal_headers(), timeout=10).status_code == 404
-    response = httpx.post(decode + "/internal/v1/transfer/reservation",
+    response = HTTP.post(decode + "/internal/v1/transfer/reservation",
                           json={"rank": 0, "request_id": "anything", "reservation_token": "guess"},
                           headers=internal_headers(), timeout=10)
     assert response.status_code == 403 and "agent_metadata" not in response.text

@@ -6,9 +6,8 @@ import asyncio
 import threading
 import time
 
-import httpx
 import pytest
-from probes import health_status, internal_headers, metric_total
+from probes import HTTP, health_status, internal_headers, metric_total
 
 from pdserve.cluster.local import ClusterConfig, LocalCluster
 from pdserve.wire.protocol import RankLoad
@@ -76,11 +75,11 @@ def slow_cluster(tiny_v2, ray_address, tmp_path_factory):
 
 def test_a_long_step_keeps_the_worker_healthy_and_routed(slow_cluster, tiny_v2):
     worker = slow_cluster.workers[0]
-    model = httpx.get(slow_cluster.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    model = HTTP.get(slow_cluster.url + "/v1/models", timeout=10).json()["data"][0]["id"]
     result: dict = {}
 
     def complete() -> None:
-        result["response"] = httpx.post(slow_cluster.url + "/v1/completions", timeout=120, json={
+        result["response"] = HTTP.post(slow_cluster.url + "/v1/completions", timeout=120, json={
             "model": model, "prompt": "a slow step", "max_tokens": 1})
 
     request = threading.Thread(target=complete)
@@ -89,9 +88,9 @@ def test_a_long_step_keeps_the_worker_healthy_and_routed(slow_cluster, tiny_v2):
     deadline = time.monotonic() + STEP_DELAY_S + 2.0
     while time.monotonic() < deadline and request.is_alive():
         statuses.append(health_status(worker.url))
-        router_views.append(httpx.get(slow_cluster.url + "/health", timeout=2).json()["workers"].get(worker.url))
+        router_views.append(HTTP.get(slow_cluster.url + "/health", timeout=2).json()["workers"].get(worker.url))
         started = time.monotonic()
-        ranks = httpx.get(worker.url + "/internal/v1/load", headers=internal_headers(), timeout=2).json()["ranks"]
+        ranks = HTTP.get(worker.url + "/internal/v1/load", headers=internal_headers(), timeout=2).json()["ranks"]
         assert time.monotonic() - started < 2.0 and len(ranks) == 1  # answered while the step runs
         stalls.append(ranks[0]["loop_stalled_s"])
         time.sleep(0.25)
@@ -107,7 +106,7 @@ def test_a_long_step_keeps_the_worker_healthy_and_routed(slow_cluster, tiny_v2):
 def test_a_worker_reports_its_start_and_warm_up(slow_cluster):
     worker = slow_cluster.workers[0]
     assert metric_total(worker.url, "pdserve_worker_start_seconds") > 0
-    info = httpx.get(worker.url + "/internal/v1/info", headers=internal_headers(), timeout=10).json()
+    info = HTTP.get(worker.url + "/internal/v1/info", headers=internal_headers(), timeout=10).json()
     assert all(rank["warmup_s"] > 0 for rank in info["ranks"])  # it warmed up before it reported ready
 
 
@@ -119,7 +118,7 @@ def test_a_stuck_step_makes_the_worker_unhealthy_until_it_moves_again(tiny_v2, r
     with LocalCluster(cfg) as cluster:
         worker = cluster.workers[0]
         body = {"request_id": "stuck", "rank": 0, "prompt_token_ids": [5, 6, 7], "sampling": {"max_tokens": 1}}
-        request = threading.Thread(target=lambda: httpx.post(worker.url + "/internal/v1/generate", json=body,
+        request = threading.Thread(target=lambda: HTTP.post(worker.url + "/internal/v1/generate", json=body,
                                                              headers=internal_headers(), timeout=60))
         request.start()
         statuses = []
