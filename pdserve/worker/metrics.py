@@ -75,6 +75,9 @@ class WorkerMetrics:
             "pdserve_expert_exchange_overflow_steps": (
                 "Fixed-capacity expert-parallel decode steps run again with split sizes (some rank overflowed)",
                 lambda s, c: s.expert_exchange_overflows),
+            "pdserve_expert_replica_slots_filled": (
+                "Replica slots of hot experts that the instance's rebalances filled with a new expert (all ranks)",
+                lambda s, c: s.expert_replica_slots_filled),
         }
         for name, (doc, read) in gauges.items():
             family = GaugeMetricFamily(name, doc, labels=LABELS)

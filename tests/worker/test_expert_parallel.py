@@ -111,8 +111,9 @@ def started_worker(model: str, log_dir: Path, *args: str) -> Iterator[tuple[str,
 
 @pytest.fixture(scope="module")
 def ep_worker(tiny_v2, tmp_path_factory):
-    with started_worker(tiny_v2, tmp_path_factory.mktemp("ep-worker"), "--dtype", "float32",
-                        "--num-pages", "64") as started:
+    # A replica slot a rank, re-planned every 3 steps: the tokens below must not change for it
+    with started_worker(tiny_v2, tmp_path_factory.mktemp("ep-worker"), "--dtype", "float32", "--num-pages", "64",
+                        "--redundant-experts", "1", "--expert-rebalance-steps", "3") as started:
         yield started
 
 
@@ -139,6 +140,9 @@ def test_expert_parallel_worker_serves_offline_tokens_and_restarts_after_a_rank_
     expert_bytes = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                     if line.startswith("pdserve_expert_weight_bytes{")]
     assert len(expert_bytes) == 2 and expert_bytes[0] == expert_bytes[1] > 0
+    replicas = wait_for(lambda: (n := per_rank(url, "pdserve_expert_replica_slots_filled_total")) and n, 10.0,
+                        "replica slots counted")
+    assert replicas[0] == replicas[1] > 0  # the instance's count, on every rank
 
     # Each rank counts the routed pairs of its own tokens over every expert, both halves of the experts included.
     moe = ModelConfig.from_dir(tiny_v2)
