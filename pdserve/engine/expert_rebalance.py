@@ -5,7 +5,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from pdserve.model.deepseek import DeepseekForCausalLM, RoutedExperts
+from pdserve.model.deepseek import DeepseekForCausalLM
 from pdserve.ops.expert_load import ExpertLoad
 from pdserve.ops.expert_placement import LayerPlacement
 from pdserve.ops.moe_ep import ExpertParallelMoE
@@ -30,12 +30,8 @@ class ExpertRebalancer:
         for layer in model.model.layers:
             if not layer.is_moe:
                 continue
-            experts = layer.mlp.experts
-            if not isinstance(experts, RoutedExperts):
-                raise ValueError("redundant_experts: FP8 experts are not replicated yet (fp8_weights=dequantize "
-                                 "serves them in bf16)")
-            self.placements.append((layer.mlp.layer_idx,
-                                    experts.reserve_replica_slots(spare, exchange.rank, exchange.world_size)))
+            self.placements.append((layer.mlp.layer_idx, layer.mlp.experts.reserve_replica_slots(
+                spare, exchange.rank, exchange.world_size)))
         self.counts_at_last = load.counts.clone()
         self.steps = 0
         self.slots_filled = 0  # replica slots that took a new expert, all ranks, since start

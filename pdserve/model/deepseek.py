@@ -19,7 +19,7 @@ from pdserve.model.fp8_modules import FP8Linear, FP8RoutedExperts
 from pdserve.model.rope import RotaryEmbedding
 from pdserve.ops.attention import AttentionBackend, AttentionBatch, gather_kv, write_kv
 from pdserve.ops.expert_load import ExpertLoad
-from pdserve.ops.expert_placement import LayerPlacement
+from pdserve.ops.expert_placement import LayerPlacement, reserve_replica_slots
 from pdserve.ops.moe import ExpertRange, MoEBackend
 from pdserve.ops.moe_ep import ExpertParallelMoE, overlaps_shared
 from pdserve.ops.select import Backends
@@ -246,11 +246,9 @@ class RoutedExperts(nn.Module):
         self.placement: LayerPlacement | None = None  # replicas of other ranks' experts (reserve_replica_slots)
 
     def reserve_replica_slots(self, spare: int, rank: int, world_size: int) -> LayerPlacement:
-        """Room for `spare` replicas after this rank's own experts, which then live in the placement's slots (the
-        parameters become views of them). Once the weights are in, before any graph holds their addresses."""
-        self.placement = LayerPlacement.own_experts(self.w13.detach(), self.w2.detach(), spare, rank, world_size)
-        self.w13 = nn.Parameter(self.placement.w13[:self.experts.count], requires_grad=False)
-        self.w2 = nn.Parameter(self.placement.w2[:self.experts.count], requires_grad=False)
+        """Room for `spare` replicas after this rank's own experts (expert_placement.reserve_replica_slots)."""
+        self.placement = reserve_replica_slots(self, ("w13", "w2"), spare, rank, world_size)
+        self.placement.weights = self.placement.slots
         return self.placement
 
     def stack(self, w13: torch.Tensor, w2: torch.Tensor) -> None:

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from pdserve.ops.block_fp8 import FP8_DTYPE, BlockFP8Weight, scale_grid_shape
+from pdserve.ops.expert_placement import LayerPlacement, reserve_replica_slots
 from pdserve.ops.fp8_gemm import block_fp8_linear
 from pdserve.ops.moe import ExpertRange
 
@@ -43,8 +44,6 @@ class FP8Linear(KeepsFP8Dtypes):
 class FP8RoutedExperts(KeepsFP8Dtypes):
     """This rank's routed experts, stacked as RoutedExperts stacks them (w13 = gate rows then up rows), in FP8."""
 
-    placement = None  # replicated experts are RoutedExperts' alone so far (the engine refuses them with FP8 experts)
-
     def __init__(self, hidden: int, inter: int, experts: ExpertRange, block_size: tuple[int, int]):
         super().__init__()
         if inter % block_size[0]:
@@ -54,6 +53,17 @@ class FP8RoutedExperts(KeepsFP8Dtypes):
         self.block_size = block_size
         self.w13, self.w13_scale_inv = _fp8_parameters((experts.count, 2 * inter, hidden), block_size)
         self.w2, self.w2_scale_inv = _fp8_parameters((experts.count, hidden, inter), block_size)
+        self.placement: LayerPlacement | None = None  # replicas of other ranks' experts (reserve_replica_slots)
+
+    def reserve_replica_slots(self, spare: int, rank: int, world_size: int) -> LayerPlacement:
+        """Room for `spare` replicas after this rank's own experts, values and scale grids alike
+        (expert_placement.reserve_replica_slots)."""
+        self.placement = reserve_replica_slots(self, ("w13", "w13_scale_inv", "w2", "w2_scale_inv"), spare, rank,
+                                               world_size)
+        w13, w13_scale, w2, w2_scale = self.placement.slots
+        self.placement.weights = (BlockFP8Weight(w13, w13_scale, self.block_size),
+                                  BlockFP8Weight(w2, w2_scale, self.block_size))
+        return self.placement
 
     def weights(self) -> tuple[BlockFP8Weight, BlockFP8Weight]:
         return (BlockFP8Weight(self.w13, self.w13_scale_inv, self.block_size),

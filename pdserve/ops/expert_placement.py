@@ -48,40 +48,41 @@ def plan_replicas(load: list[float], world_size: int, spare: int) -> list[list[i
 class LayerPlacement:
     """One MoE layer's placement on one rank, on the device; a rebalance rewrites it in place.
 
-    `w13`/`w2` are the rank's slots: its own experts (the model's weights, views of these), then `spare` replicas."""
+    `slots` are the rank's expert tensors (w13 and w2; FP8 experts also their scale grids), each with its own experts
+    first (the model's parameters become views of them), then `spare` replicas. `weights` is what the MoE backend
+    computes with, made of the slots by the module that owns them (plain tensors, or BlockFP8Weight)."""
 
     rank: int
     world_size: int
     per_rank: int  # experts each rank owns
-    w13: torch.Tensor  # [per_rank + spare, 2 * inter, hidden]
-    w2: torch.Tensor  # [per_rank + spare, hidden, inter]
+    slots: tuple[torch.Tensor, ...]  # each [per_rank + spare, ...]
     holders: torch.Tensor  # [E, R] int64: the ranks holding each expert, its owner first; past holder_count: the owner
     holder_count: torch.Tensor  # [E] int64
     slot_of: torch.Tensor  # [R, E] int64: the expert's slot on that rank, -1 where the rank does not hold it
     replicas: list[list[int]]  # per rank: the experts in its spare slots, in slot order (host copy of the plan)
+    weights: tuple = ()  # (w13, w2) over the slots, for the backend: set by the slots' owner
 
     @classmethod
-    def own_experts(cls, w13: torch.Tensor, w2: torch.Tensor, spare: int, rank: int,
+    def own_experts(cls, tensors: tuple[torch.Tensor, ...], spare: int, rank: int,
                     world_size: int) -> "LayerPlacement":
-        """Slots for `spare` replicas after this rank's own experts (`w13`, `w2`), none placed yet. Returns the
-        placement; its w13[:own] and w2[:own] hold the given weights (the caller points its parameters at them)."""
-        per_rank = w13.shape[0]
+        """Slots for `spare` replicas after this rank's own experts (`tensors`, each [own experts, ...]), none
+        placed yet; slots[i][:own] holds tensors[i] (the caller points its parameters at them)."""
+        per_rank, device = tensors[0].shape[0], tensors[0].device
+        slots = tuple(t.new_empty(per_rank + spare, *t.shape[1:]) for t in tensors)
+        for slot, own in zip(slots, tensors):
+            slot[:per_rank].copy_(own)
         num_experts = per_rank * world_size
-        slots13 = w13.new_empty(per_rank + spare, *w13.shape[1:])
-        slots2 = w2.new_empty(per_rank + spare, *w2.shape[1:])
-        slots13[:per_rank].copy_(w13)
-        slots2[:per_rank].copy_(w2)
-        owner = torch.arange(num_experts, device=w13.device) // per_rank
-        placement = cls(rank, world_size, per_rank, slots13, slots2, owner[:, None].repeat(1, world_size).contiguous(),
-                        torch.ones(num_experts, dtype=torch.int64, device=w13.device),
-                        torch.full((world_size, num_experts), -1, dtype=torch.int64, device=w13.device),
+        owner = torch.arange(num_experts, device=device) // per_rank
+        placement = cls(rank, world_size, per_rank, slots, owner[:, None].repeat(1, world_size).contiguous(),
+                        torch.ones(num_experts, dtype=torch.int64, device=device),
+                        torch.full((world_size, num_experts), -1, dtype=torch.int64, device=device),
                         [[] for _ in range(world_size)])
         placement._write_tables()
         return placement
 
     @property
     def spare(self) -> int:
-        return self.w13.shape[0] - self.per_rank
+        return self.slots[0].shape[0] - self.per_rank
 
     def pair_ranks(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """[T, k]: the rank that computes each (token, expert) pair; a replicated expert's pairs alternate between its
@@ -101,17 +102,19 @@ class LayerPlacement:
         changed = [[(slot, expert) for slot, expert in enumerate(experts)
                     if slot >= len(self.replicas[r]) or self.replicas[r][slot] != expert] for r, experts in
                    enumerate(plan)]
-        for slots, own in ((self.w13, self.w13[:self.per_rank]), (self.w2, self.w2[:self.per_rank])):
-            # Each rank sends its own experts that another rank's changed slots take, in (rank, slot) order.
-            sends = [[expert - self.rank * self.per_rank for _, expert in changed[r]
-                      if expert // self.per_rank == self.rank] for r in range(self.world_size)]
-            receives = [[slot for slot, expert in changed[self.rank] if expert // self.per_rank == r]
-                        for r in range(self.world_size)]
-            send = own[[e for row in sends for e in row]]
-            recv = slots.new_empty(sum(map(len, receives)), *slots.shape[1:])
+        # Each rank sends its own experts that another rank's changed slots take, in (rank, slot) order.
+        sends = [[expert - self.rank * self.per_rank for _, expert in changed[r] if expert // self.per_rank == self.rank]
+                 for r in range(self.world_size)]
+        receives = [[slot for slot, expert in changed[self.rank] if expert // self.per_rank == r]
+                    for r in range(self.world_size)]
+        sent = [e for row in sends for e in row]
+        for slots in self.slots:
+            # as bytes (gloo moves no FP8); slots[:0] when nothing goes: an empty index's result has 0 strides
+            send = (slots[sent] if sent else slots[:0]).view(torch.uint8)
+            recv = send.new_empty(sum(map(len, receives)), *send.shape[1:])
             dist.all_to_all_single(recv, send, [len(r) for r in receives], [len(s) for s in sends], group=group)
             for row, slot in enumerate(s for r in receives for s in r):
-                slots[self.per_rank + slot].copy_(recv[row])
+                slots[self.per_rank + slot].copy_(recv[row].view(slots.dtype))
         self.replicas = plan
         self._write_tables()
         return sum(map(len, changed))
@@ -131,3 +134,16 @@ class LayerPlacement:
         self.holder_count.copy_(torch.tensor([len(h) for h in holders], device=device))
         self.holders.copy_(torch.tensor([h + [h[0]] * (self.world_size - len(h)) for h in holders], device=device))
         self.slot_of.copy_(torch.tensor(slot_of, device=device))
+
+
+def reserve_replica_slots(module: torch.nn.Module, names: tuple[str, ...], spare: int, rank: int,
+                          world_size: int) -> LayerPlacement:
+    """A placement whose slots hold `module`'s per-expert parameters `names` (its own experts, first) and `spare`
+    replicas; the parameters become views of the slots, so whatever holds their addresses (a CUDA graph) is not
+    moved by a rebalance. Once the weights are in."""
+    placement = LayerPlacement.own_experts(tuple(getattr(module, name).detach() for name in names), spare, rank,
+                                           world_size)
+    for name, slots in zip(names, placement.slots):
+        setattr(module, name, torch.nn.Parameter(slots[:placement.per_rank], requires_grad=False))
+    return placement
+

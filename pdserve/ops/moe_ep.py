@@ -211,7 +211,7 @@ class ExpertParallelMoE:
             first_expert = self.first_expert
         else:  # each pair's rank; the rows then carry, for their owner, its slots of the pairs it computes
             owner = placement.pair_ranks(topk_ids)
-            w13, w2, first_expert = placement.w13, placement.w2, 0
+            (w13, w2), first_expert = placement.weights, 0
         owners = torch.zeros(num_tokens, self.world_size, dtype=torch.bool, device=x.device).scatter_(1, owner, True)
         # (owner, token) cells that send a row first, grouped by owner, tokens in order inside a group. The host reads
         # one thing a layer, the split sizes below: each read waits for the device.

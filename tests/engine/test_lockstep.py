@@ -120,6 +120,26 @@ def test_expert_parallel_greedy_tokens_equal_one_rank_with_all_experts(tiny_mode
             assert (replica_slots_filled > 0) == (run == 2)  # the uneven prompts load some experts more
 
 
+@pytest.mark.timeout(180)
+def test_replicated_fp8_experts_give_the_tokens_of_one_rank(tiny_model_factory):
+    """Kept FP8 experts (values and scale grids) replicated on the other rank, re-planned after every step."""
+    model = tiny_model_factory("v3", fp8=True, hidden_size=160, intermediate_size=300, moe_intermediate_size=128)
+    per_rank = prompts_for(2)
+    options = dict(dtype="float32", device="cpu", num_pages=64, fp8_weights="keep")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the ranks: BLAS results may depend on the thread count
+    try:
+        llm = LLM(model, progress=False, **options)
+        expected = [r.token_ids for r in llm.generate(prompt_token_ids=[ids for p in per_rank for ids in p],
+                                                      sampling=SAMPLING)]
+    finally:
+        torch.set_num_threads(threads)
+    got = run_instance(model, per_rank, [(options | dict(expert_exchange="splits", redundant_experts=1,
+                                                         expert_rebalance_steps=1), 2.0)], timeout_s=150)
+    assert [tokens for rank in sorted(got) for tokens in got[rank][0][0]] == expected
+    assert all(got[rank][0][4] > 0 for rank in got)  # replica slots were filled
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world_size", [1, 2])

@@ -6,7 +6,7 @@ import torch.distributed as dist
 from spawned_ranks import run_spawned_ranks
 
 from pdserve.http.ports import free_port
-from pdserve.ops.expert_placement import LayerPlacement, plan_replicas
+from pdserve.ops.expert_placement import LayerPlacement
 from pdserve.ops.moe import TorchMoE
 from pdserve.ops.moe_ep import (
     CompiledExpertParallelMoE,
@@ -60,12 +60,14 @@ def _rank_main(rank: int, world_size: int, port: int, tokens_per_rank: list[int]
             runs = CompiledExpertParallelMoE.build(backend, counting) if mode == "fixed-compiled" else backend
             placed, replicas_hold_their_experts = {}, None
             if "-replicas" in mode:  # rank 0's experts 4x as loaded: replicas of them on the other ranks
-                placement = LayerPlacement.own_experts(w13[first:first + count], w2[first:first + count], SPARE,
+                placement = LayerPlacement.own_experts((w13[first:first + count], w2[first:first + count]), SPARE,
                                                        rank, world_size)
+                placement.weights = placement.slots
                 new_slots = placement.rebalance([4.0 if e < count else 1.0 for e in range(NUM_EXPERTS)])
                 placed = {"placement": placement}
+                slots13, slots2 = placement.slots
                 replicas_hold_their_experts = new_slots > 0 and all(
-                    torch.equal(placement.w13[count + slot], w13[e]) and torch.equal(placement.w2[count + slot], w2[e])
+                    torch.equal(slots13[count + slot], w13[e]) and torch.equal(slots2[count + slot], w2[e])
                     for slot, e in enumerate(placement.replicas[rank]))
             outs = [runs.forward(x, ids, weights, w13[first:first + count], w2[first:first + count], first, **placed)
                     for _ in range(2)]  # twice: the second call reuses the same group state
