@@ -528,8 +528,10 @@ def test_a_reservation_waits_for_room_in_a_full_pool_instead_of_failing(fresh):
     waits for them (up to the prefill timeout) and then runs, as a request waits in the engine's queue."""
     page_size = fresh.decode.engine.cfg.page_size
     hog = GenerateRequest(new_id("hog"), 0, [2 + i % 400 for i in range(50 * page_size)],
-                          SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), Plan("both"))
-    fresh.decode.steps.test_step_delay_s = 0.01  # the hog holds its 53 of 64 pages for a while
+                          SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True), Plan("both"))
+    # The hog holds its 53 of 64 pages for 20 steps of >= 10 ms: long enough to see the reservation wait, and short
+    # of the pair's 1.5 s prefill timeout on a loaded CI machine (40 steps once took longer there)
+    fresh.decode.steps.test_step_delay_s = 0.01
     hogging = asyncio.run_coroutine_threadsafe(collect(fresh.decode, hog), fresh.loop)
     assert eventually(lambda: fresh.decode.load().free_pages < 20, timeout_s=10.0)
     rid = new_id("pd")
@@ -557,8 +559,10 @@ def test_reservations_waiting_for_room_get_it_in_arrival_order(fresh, monkeypatc
 
     monkeypatch.setattr(fresh.decode.engine, "reserve", noting)
     hog = GenerateRequest(new_id("hog"), 0, [2 + i % 400 for i in range(50 * page_size)],
-                          SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), Plan("both"))
-    fresh.decode.steps.test_step_delay_s = 0.01  # the hog holds its 53 of 64 pages for a while
+                          SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True), Plan("both"))
+    # The hog holds its 53 of 64 pages for 20 steps of >= 10 ms: long enough to see the reservation wait, and short
+    # of the pair's 1.5 s prefill timeout on a loaded CI machine (40 steps once took longer there)
+    fresh.decode.steps.test_step_delay_s = 0.01
     hogging = asyncio.run_coroutine_threadsafe(collect(fresh.decode, hog), fresh.loop)
     assert eventually(lambda: fresh.decode.load().free_pages < 20, timeout_s=10.0)
     long_id, short_id = new_id("long"), new_id("short")
