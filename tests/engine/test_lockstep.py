@@ -81,6 +81,19 @@ def run_instance(model: str, per_rank: list[list[list[int]]], runs: list[tuple[d
     return {rank: rest[0] for rank, rest in got.items()}
 
 
+def one_engine(model: str, per_rank: list[list[list[int]]], options: dict) -> tuple[list[list[int]], int]:
+    """One engine with every expert: every rank's prompts' greedy tokens, in rank order, and its expert bytes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the ranks: BLAS results may depend on the thread count
+    try:
+        llm = LLM(model, progress=False, **options)
+        flat = [ids for prompts in per_rank for ids in prompts]
+        return ([r.token_ids for r in llm.generate(prompt_token_ids=flat, sampling=SAMPLING)],
+                llm.engine.stats().expert_weight_bytes)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(("arch", "world_size", "fixed_capacity_factor"), [
     ("v2", 2, 2.0),  # C holds every pair: decode steps never overflow
@@ -91,16 +104,8 @@ def test_expert_parallel_greedy_tokens_equal_one_rank_with_all_experts(tiny_mode
     """Both exchanges, one after the other in the same ranks: split sizes throughout, then fixed capacity."""
     model = tiny_model_factory(arch)
     per_rank = prompts_for(world_size)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as in the ranks: BLAS results may depend on the thread count
-    try:
-        llm = LLM(model, dtype="float32", device="cpu", num_pages=64, progress=False)
-        flat = [ids for prompts in per_rank for ids in prompts]
-        expected = [r.token_ids for r in llm.generate(prompt_token_ids=flat, sampling=SAMPLING)]
-        all_expert_bytes = llm.engine.stats().expert_weight_bytes
-    finally:
-        torch.set_num_threads(threads)
     options = dict(dtype="float32", device="cpu", num_pages=64)
+    expected, all_expert_bytes = one_engine(model, per_rank, options)
     # the third: split sizes with a replica slot a rank, re-planned from the load after every step
     exchanges = [("splits", 2.0), ("fixed", fixed_capacity_factor), ("splits", 2.0)]
     replicas = dict(redundant_experts=1, expert_rebalance_steps=1)
@@ -126,14 +131,7 @@ def test_replicated_fp8_experts_give_the_tokens_of_one_rank(tiny_model_factory):
     model = tiny_model_factory("v3", fp8=True, hidden_size=160, intermediate_size=300, moe_intermediate_size=128)
     per_rank = prompts_for(2)
     options = dict(dtype="float32", device="cpu", num_pages=64, fp8_weights="keep")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as in the ranks: BLAS results may depend on the thread count
-    try:
-        llm = LLM(model, progress=False, **options)
-        expected = [r.token_ids for r in llm.generate(prompt_token_ids=[ids for p in per_rank for ids in p],
-                                                      sampling=SAMPLING)]
-    finally:
-        torch.set_num_threads(threads)
+    expected, _ = one_engine(model, per_rank, options)
     got = run_instance(model, per_rank, [(options | dict(expert_exchange="splits", redundant_experts=1,
                                                          expert_rebalance_steps=1), 2.0)], timeout_s=150)
     assert [tokens for rank in sorted(got) for tokens in got[rank][0][0]] == expected
