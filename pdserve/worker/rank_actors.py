@@ -270,6 +270,10 @@ class RankHandle:
         ray.kill(self.actor, no_restart=True)
 
 
+def _without_token_auth_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
+
+
 def connect_ray(address: str | None) -> None:
     """Joins the Ray at `address` (None: RAY_ADDRESS, else a Ray of this process's own), keeping the caller's SIGINT
     and SIGTERM handlers: a driver's ray.init puts its own in their place, with which SIGTERM exited 15, or aborted
@@ -278,6 +282,9 @@ def connect_ray(address: str | None) -> None:
         return
     main_thread = threading.current_thread() is threading.main_thread()  # only the main thread may set handlers
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
+    # A Ray of our own has token authentication on (Ray's default, which docs/reliability.md relies on); Ray's notice
+    # of it, with how to opt out, is left out of every `pdserve up`. Its other warnings still show.
+    logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(_without_token_auth_notice)
     ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False,
              logging_level=logging.WARNING, namespace="pdserve")
     for sig, handler in handlers.items():

@@ -51,6 +51,9 @@ def test_up_serves_and_ctrl_c_leaves_no_process_behind(tiny_v2, tmp_path):
         assert f"router:  http://127.0.0.1:{port}" in output, output
         worker_urls = re.findall(r"^(?:prefill|decode)-0: (http://\S+)", output, re.M)
         assert len(worker_urls) == 2, output
+        # quiet by default: its own lines only (Ray announced its token authentication here once)
+        assert all(line.startswith(("pdserve up:", "router:", "prefill-0:", "decode-0:", "try:", "Ctrl-C"))
+                   for line in output.splitlines()), output
         model = HTTP.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"][0]["id"]
         reply = HTTP.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                            json={"model": model, "prompt": "The quick brown fox", "max_tokens": 5})
