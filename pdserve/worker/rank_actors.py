@@ -129,8 +129,7 @@ class RankActor:
     async def _forward(self, runtime: "RankRuntime", request: GenerateRequest,
                        reservation: asyncio.Future[Reservation] | None) -> None:
         try:
-            async for event in runtime.generate(request, reservation):
-                self._post(event)
+            await runtime.serve(request, reservation, self._post)
         except Exception as error:  # noqa: BLE001 - the request ends with an error event, as any failure does
             self._post(TokenEvent(request.request_id, [], finish_reason="error",
                                   error=f"rank {self.cfg.rank} failed: {error}"))

@@ -284,6 +284,28 @@ def test_the_first_token_goes_out_before_the_request_joins_the_decode_batch(fres
     assert tokens([first, *rest]) == tokens(colocated) and rest[-1].finish_reason == "length"
 
 
+def test_tokens_made_while_the_first_is_on_its_way_follow_it_in_order(fresh, monkeypatch):
+    """The request may join the batch and step before its announced first token has gone out: what those steps make
+    waits behind the first token (RankRuntime.serve hands events on directly, not through a queue)."""
+    colocated = fresh.generate(fresh.decode, GenerateRequest(new_id("both"), 0, PROMPT, GREEDY, Plan("both")))
+    rid = new_id("stepped-early")
+    admit = fresh.decode._admit
+
+    async def admitted_late(request, reservation):
+        first = await admit(request, reservation)
+        made = fresh.decode.engine.requests.get(rid)
+        deadline = time.monotonic() + 10
+        while (made is None or len(made.output_token_ids) < 3) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+            made = fresh.decode.engine.requests.get(rid) or made
+        assert made is not None and len(made.output_token_ids) >= 3  # steps ran before the first event went out
+        return first
+
+    monkeypatch.setattr(fresh.decode, "_admit", admitted_late)
+    events = fresh.run(collect(fresh.decode, decode_plan(rid, PROMPT, GREEDY)))
+    assert tokens(events) == tokens(colocated) and events[-1].finish_reason == "length"
+
+
 def test_a_first_token_that_ends_the_request_waits_for_the_decode_engine(fresh, monkeypatch):
     """Its end (here max_tokens 1, or one of the stop token ids) is the engine's to say: no announcement."""
     colocated = fresh.generate(fresh.decode, GenerateRequest(new_id("both"), 0, PROMPT, GREEDY, Plan("both")))
