@@ -120,6 +120,7 @@ class Dispatcher:
             client = self._pool.client(route.target[0])
             worker_finished = finished = False  # the worker's stream ended / the request did (a router-side stop)
             failure: str | None = None
+            target_refused = False  # the target never took the request: no prefill was asked for
             try:
                 batches = client.generate_batches(worker_request, self._first_token_timeout_s)
                 async with contextlib.aclosing(batches):
@@ -140,7 +141,7 @@ class Dispatcher:
                 if finished:
                     return
             except WorkerUnavailable as error:
-                failure = str(error)
+                failure, target_refused = str(error), error.refused
                 self._pool.report_failure(route.target[0])  # a dead prefill worker is ejected by its health checks
             finally:
                 if not worker_finished:  # the caller left, the router stopped it, or it failed: free what it holds
@@ -148,7 +149,10 @@ class Dispatcher:
             excluded.add(route.target)
             if not continuation.started:
                 logger.warning("request %s failed on %s before its first token: %s", request_id, route.target, failure)
-                excluded.add(route.prefill)
+                if not target_refused:
+                    # The prefill may be at fault. A target that refused (a dead decode worker not yet ejected) never
+                    # asked it for anything, and it may be the only prefill rank there is.
+                    excluded.add(route.prefill)
                 failed_starts += 1
                 if failed_starts >= self._max_attempts:
                     break

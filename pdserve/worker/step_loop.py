@@ -119,6 +119,9 @@ class StepLoop:
                 self._run_commands(block=idle)
                 try:
                     outputs = self._step()
+                    # Published before the outputs leave: a caller that has its last token, then reads the rank's
+                    # figures (a metrics scrape), finds that token counted.
+                    self._turned()
                     if outputs:
                         self._route(outputs)
                 except Exception:  # noqa: BLE001 - a step failure must reach every caller, not kill the thread
@@ -127,7 +130,7 @@ class StepLoop:
                     if self._lockstep is not None:  # a peer is gone: no later collective can succeed
                         self._break(f"rank {self._rank} lost its expert-parallel peers")
                         return
-                self._turned()
+                    self._turned()
         finally:
             if self.trace is not None:
                 self.trace.close()

@@ -12,6 +12,7 @@ from probes import eventually
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.wire.sampling import SamplingParams
+from pdserve.worker import step_loop
 from pdserve.worker.step_loop import StepLoop
 
 
@@ -63,3 +64,25 @@ def test_closures_queued_faster_than_they_run_leave_the_steps_going(loop_and_out
         assert eventually(lambda: outputs and outputs[-1].finish_reason == "length", timeout_s=10)
     finally:
         flooding.clear()
+
+
+def test_a_finished_request_is_counted_before_its_last_token_leaves(tiny_v2, monkeypatch):
+    """A caller that has its last token, then reads the rank's figures (a metrics scrape), finds that token counted:
+    the snapshot is published before a step's outputs are handed on (a scaling test once read it a step stale)."""
+    monkeypatch.setattr(step_loop, "SNAPSHOT_INTERVAL_S", 3600.0)  # published at most once, and when work runs out
+    counted_when_done: list[int] = []
+
+    def route(outputs) -> None:
+        if any(output.finish_reason for output in outputs):
+            counted_when_done.append(steps.snapshot.engine.generation_tokens)
+
+    steps = StepLoop(Engine(EngineConfig(model=tiny_v2, dtype="float32", num_pages=32, progress=False)), 0, None,
+                     route, lambda message: None)
+    steps.start()
+    try:
+        sampling = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        asyncio.run(steps.call(lambda: steps.engine.add_request("r", [3, 4, 5], sampling)))
+        assert eventually(lambda: counted_when_done, timeout_s=10)
+        assert counted_when_done == [6]
+    finally:
+        steps.stop()
