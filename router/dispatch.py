@@ -121,6 +121,7 @@ class Dispatcher:
             worker_finished = finished = False  # the worker's stream ended / the request did (a router-side stop)
             failure: str | None = None
             target_refused = False  # the target never took the request: no prefill was asked for
+            prefill_failed = False  # the target is fine: its hand-off's prefill side failed
             try:
                 batches = client.generate_batches(worker_request, self._first_token_timeout_s)
                 async with contextlib.aclosing(batches):
@@ -129,6 +130,7 @@ class Dispatcher:
                         for event in batch:
                             if event.finish_reason == "error":
                                 worker_finished, failure, last_error_event = True, event.error or "worker error", event
+                                prefill_failed = event.prefill_failed
                                 break
                             worker_finished = event.finish_reason is not None
                             absorbed.append((choice, continuation.absorb(event)))
@@ -146,7 +148,8 @@ class Dispatcher:
             finally:
                 if not worker_finished:  # the caller left, the router stopped it, or it failed: free what it holds
                     self._abort_later(client, attempt_id)
-            excluded.add(route.target)
+            if not prefill_failed:  # else the same decode rank takes the retry, with another prefill rank
+                excluded.add(route.target)
             if not continuation.started:
                 logger.warning("request %s failed on %s before its first token: %s", request_id, route.target, failure)
                 if not target_refused:

@@ -109,6 +109,9 @@ class TokenEvent:
     error: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # An error of the hand-off's prefill side (unreachable, failed, too slow): the decode rank that sends it is fine
+    # and may take the request again with another prefill rank.
+    prefill_failed: bool = False
 
 
 def _joined(parts: list[list | None]) -> list | None:

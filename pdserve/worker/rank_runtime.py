@@ -365,7 +365,9 @@ class RankRuntime:
             return await self._receive(request)
         except HandoffAborted:
             return TokenEvent(request_id, [], finish_reason="abort")
-        except (ValueError, NoCapacityError, TransferError, HandoffFailed) as error:  # ValueError: InvalidRequestError
+        except HandoffFailed as error:
+            return TokenEvent(request_id, [], finish_reason="error", error=str(error), prefill_failed=True)
+        except (ValueError, NoCapacityError, TransferError) as error:  # ValueError: InvalidRequestError
             return self._error(request_id, str(error))
 
     async def _receive(self, request: GenerateRequest) -> TokenEvent:

@@ -442,6 +442,7 @@ def test_a_refused_prefill_frees_the_reservation_at_once(fresh):
     rid = new_id("refused")
     events = fresh.disaggregated(rid, PROMPT, GREEDY)
     assert events[-1].finish_reason == "error" and "refused" in events[-1].error
+    assert events[-1].prefill_failed  # the router may retry on this decode rank with another prefill rank
     assert fresh.decode.receiver.state_of(rid) is None  # never confirmed: nothing can land, no quarantine
     assert eventually(lambda: at_rest(fresh.decode), timeout_s=2.0)
 
