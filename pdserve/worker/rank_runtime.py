@@ -366,7 +366,7 @@ class RankRuntime:
         except HandoffAborted:
             return TokenEvent(request_id, [], finish_reason="abort")
         except HandoffFailed as error:
-            return TokenEvent(request_id, [], finish_reason="error", error=str(error), prefill_failed=True)
+            return self._error(request_id, str(error), prefill_failed=True)
         except (ValueError, NoCapacityError, TransferError) as error:  # ValueError: InvalidRequestError
             return self._error(request_id, str(error))
 
@@ -482,5 +482,5 @@ class RankRuntime:
         )
 
     @staticmethod
-    def _error(request_id: str, message: str) -> TokenEvent:
-        return TokenEvent(request_id, [], finish_reason="error", error=message)
+    def _error(request_id: str, message: str, prefill_failed: bool = False) -> TokenEvent:
+        return TokenEvent(request_id, [], finish_reason="error", error=message, prefill_failed=prefill_failed)
