@@ -41,7 +41,7 @@ from pdserve.http.slow_clients import KEEP_ALIVE_S, SlowClientLimits, bounded_ht
 from pdserve.transfer.backend import OnNotification
 from pdserve.transfer.inprocess import InProcessBackend, InProcessFabric
 from pdserve.worker.config import add_worker_arguments, worker_config_from_args
-from pdserve.worker.drain import DrainGate
+from pdserve.worker.drain import SHUTDOWN_AFTER_DRAIN_S, DrainGate
 from pdserve.worker.http_app import RankSet, build_worker_app
 from pdserve.worker.inprocess_rank import InProcessRank
 from pdserve.worker.process import describe_worker, handoff_guard, rank_configs
@@ -220,9 +220,11 @@ class InProcessCluster(StartedCluster):
 
     @staticmethod
     async def _serve(name: str, url: str, app: Any, protocol: type[asyncio.Protocol], sock: socket.socket) -> ServedApp:
-        # log_config None: uvicorn leaves this process's logging alone, and its errors reach the root logger.
+        # log_config None: uvicorn leaves this process's logging alone, and its errors reach the root logger. Streams
+        # that never end by themselves (a prefill worker's KV-event subscriptions) are cut on stop, as in a process.
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", log_config=None, http=protocol,
-                                                timeout_keep_alive=KEEP_ALIVE_S))
+                                                timeout_keep_alive=KEEP_ALIVE_S,
+                                                timeout_graceful_shutdown=SHUTDOWN_AFTER_DRAIN_S))
         served = ServedApp(name, url, server, asyncio.create_task(server.serve(sockets=[sock]), name=name))
         while not server.started:
             if served.task.done():  # it could not bind, or its startup failed
