@@ -471,7 +471,8 @@ class Engine:
         if finish_reason is not None:
             # Overlapped: a token sampled past the end is discarded (its step's row is skipped when it resolves).
             request.num_unresolved_tokens, request.ends_when_resolved = 0, False
-            if detokenizer is not None and not stop_hit:
+            # A prefill-only request goes on on a decode rank, whose detokenizer releases held-back bytes later.
+            if detokenizer is not None and not stop_hit and not request.keep_pages_on_finish:
                 text += detokenizer.flush()
             self.scheduler.finish(request, finish_reason)
             self._forget(request)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
+import tokenizers
 import torch
 from inprocess_pair import DECODE_URL, Pair, at_rest, collect, decode_plan
 from probes import eventually
@@ -141,6 +142,19 @@ def test_handed_off_tokens_equal_colocated_ones_and_every_page_comes_back(fresh)
     events = fresh.disaggregated(new_id("pd"), PROMPT, GREEDY)
     assert events[-1].finish_reason == "length", events[-1].error
     assert tokens(events) == tokens(colocated) and len(tokens(events)) == GREEDY.max_tokens
+
+
+def test_a_first_token_inside_a_character_comes_out_once(fresh, tiny_v2):
+    """The prefill rank's text for its one token must be what the decode rank's detokenizer gives for it (nothing yet,
+    when the token ends inside a character), not the flush of a request that ends there: the decode rank releases
+    those bytes with the next text, and the client got them twice (P/D text "\ufffd\ufffd inst..." where colocated
+    had "\ufffd inst...")."""
+    byte = tokenizers.Tokenizer.from_file(f"{tiny_v2}/tokenizer.json").token_to_id("\u00b8")  # the lone byte 0xB8
+    sampling = replace(GREEDY, logit_bias={byte: 100.0})  # every token that byte
+    colocated = fresh.generate(fresh.decode, GenerateRequest(new_id("both"), 0, PROMPT, sampling, Plan("both")))
+    events = fresh.disaggregated(new_id("pd"), PROMPT, sampling)
+    assert tokens(events) == tokens(colocated) == [byte] * GREEDY.max_tokens
+    assert "".join(e.text for e in events) == "".join(e.text for e in colocated) == "\ufffd" * GREEDY.max_tokens
 
 
 def test_concurrent_hand_offs_each_get_their_own_kv(fresh):
