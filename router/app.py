@@ -98,7 +98,8 @@ def build_router_app(config: RouterConfig, discovery: Discovery | None = None) -
                                 LocalPrefillRule(config.local_prefill_max_tokens, config.local_prefill_min_queue,
                                                  config.local_prefill_min_wait_ms / 1e3,
                                                  config.local_prefill_max_stall_ms / 1e3,
-                                                 config.local_prefill_long_step_share))
+                                                 config.local_prefill_long_step_share),
+                                config.prefill_fallback)
         parts.pool = pool
         parts.serving = Serving(
             tokenizer, dispatcher, metrics, config.model_name,

@@ -46,6 +46,8 @@ class RouterConfig:
                                                      "prefill rank would be (0: no test)")
     local_prefill_long_step_share: float = setting(0.0, "...or, with longer steps, if those keep within this share of "
                                                         "the decode rank's steps (0: none)")
+    prefill_fallback: bool = setting(True, "when no prefill rank can take a request (none routable, or each one "
+                                           "tried), its decode rank prefills it rather than the request failing")
     api_keys: frozenset[str] = field(default_factory=frozenset)  # empty: no authentication (--api-keys-file)
     # Limits: what a request may ask for before it is refused with a 4xx.
     max_body_bytes: int = setting(4 * 1024 * 1024, "larger request bodies get a 413")

@@ -45,7 +45,7 @@ class Dispatcher:
         self, pool: WorkerPool, index: PrefixIndex, policy: Policy, metrics: RouterMetrics,
         max_attempts: int, first_token_timeout_s: float, retry_after_s: int,
         make_detokenizer: DetokenizerFactory, max_migrations: int = 2,
-        local_prefill: LocalPrefillRule = LocalPrefillRule(),
+        local_prefill: LocalPrefillRule = LocalPrefillRule(), prefill_fallback: bool = True,
     ) -> None:
         self._pool = pool
         self._index = index
@@ -54,6 +54,7 @@ class Dispatcher:
         self._max_attempts = max_attempts
         self._max_migrations = max_migrations
         self._local_prefill = local_prefill
+        self._prefill_fallback = prefill_fallback
         self._long_steps: dict[RankKey, LongStepAllowance] = collections.defaultdict(LongStepAllowance)
         self._make_detokenizer = make_detokenizer
         self._first_token_timeout_s = first_token_timeout_s
@@ -62,17 +63,24 @@ class Dispatcher:
         self._abort_tasks: set[asyncio.Task] = set()
 
     def can_serve(self) -> bool:
-        """A `both` rank, or a prefill rank with a decode rank to pair with (choose's candidates, none excluded)."""
+        """A `both` rank, or a decode rank with a prefill rank to pair with or the fallback (choose's candidates, none
+        excluded)."""
         if self._pool.ranks_with_role(("both",)):
             return True
-        return bool(self._pool.ranks_with_role(("prefill",))) and bool(self._pool.ranks_with_role(("decode",)))
+        return bool(self._pool.ranks_with_role(("decode",))) and (
+            self._prefill_fallback or bool(self._pool.ranks_with_role(("prefill",))))
 
     def choose(self, prompt_token_ids: list[int], excluded: set[RankKey]) -> Route | None:
         decode_ranks = self._pool.candidates(("decode",), excluded)
         # A prefill rank needs a decode rank to pair with; a `both` rank does not.
         candidates = self._pool.candidates(("prefill", "both") if decode_ranks.keys else ("both",), excluded)
         if not candidates.keys:
-            return None
+            if not (self._prefill_fallback and decode_ranks.keys):
+                return None
+            # No prefill rank left (the pool is down, or each one failed this request): serve slower, not fail.
+            decode = decode_ranks.keys[choose_decode(self._pool.loads_of(decode_ranks), next(self._sequence))]
+            self._metrics.count_prefill_fallback()
+            return Route(decode, decode, Plan(kind="both"), 0)
         matches = self._index.matched_tokens(prompt_token_ids)
         position = candidates.position
         by_position = {position[key]: tokens for key, tokens in matches.items() if key in position}

@@ -19,10 +19,11 @@ def pool_with(tmp_path, roles: dict[str, tuple[str, int]], loads: dict[str, list
     return pool
 
 
-def dispatcher(pool, index=None, policy="prefix", local_prefill=LocalPrefillRule()) -> Dispatcher:
+def dispatcher(pool, index=None, policy="prefix", local_prefill=LocalPrefillRule(),
+               prefill_fallback=True) -> Dispatcher:
     return Dispatcher(pool, index or PrefixIndex(), make_policy(policy, 1.0, 0.5), RouterMetrics("tiny", policy),
                       max_attempts=3, first_token_timeout_s=5, retry_after_s=1, make_detokenizer=None,
-                      local_prefill=local_prefill)
+                      local_prefill=local_prefill, prefill_fallback=prefill_fallback)
 
 
 def test_disaggregated_route_sends_to_decode_rank_with_the_prefill_rank_as_source(tmp_path):
@@ -46,6 +47,26 @@ def test_both_worker_gets_a_both_plan_on_its_own_rank(tmp_path):
 def test_prefill_workers_without_any_decode_worker_cannot_serve(tmp_path):
     chooser = dispatcher(pool_with(tmp_path, {"http://p": ("prefill", 1)}))
     assert chooser.choose([1, 2, 3], excluded=set()) is None and not chooser.can_serve()
+
+
+def test_decode_ranks_prefill_themselves_when_no_prefill_rank_can_take_the_request(tmp_path):
+    pool = pool_with(tmp_path, {"http://p": ("prefill", 1), "http://d": ("decode", 2)})
+    chooser = dispatcher(pool, policy="round_robin")
+    # The only prefill rank failed this request's hand-off: a decode rank prefills the retry itself.
+    fallback = chooser.choose([1, 2, 3], excluded={("http://p", 0)})
+    assert fallback.prefill == fallback.target and fallback.target[0] == "http://d" and fallback.plan == Plan(kind="both")
+    # ...but not on a decode rank this request already failed on.
+    assert chooser.choose([1, 2, 3], excluded={("http://p", 0), fallback.target}).target != fallback.target
+    assert chooser.choose([1, 2, 3], excluded={("http://p", 0), ("http://d", 0), ("http://d", 1)}) is None
+    assert chooser.choose([1, 2, 3], excluded=set()).plan.kind == "decode"  # prefill ranks first while there are any
+    off = dispatcher(pool, prefill_fallback=False)
+    assert off.choose([1, 2, 3], excluded={("http://p", 0)}) is None
+
+
+def test_a_decode_pool_alone_serves_with_the_fallback_and_not_without(tmp_path):
+    pool = pool_with(tmp_path, {"http://d": ("decode", 1)})
+    assert dispatcher(pool).can_serve()
+    assert not dispatcher(pool, prefill_fallback=False).can_serve()
 
 
 def test_retry_excludes_ranks_already_tried(tmp_path):
