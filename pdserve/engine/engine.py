@@ -27,7 +27,7 @@ from pdserve.engine.logits_processing import LogitsProcessing
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.piecewise_graphs import piecewise_graph_config
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sampler import SampleResult, sample, sample_on_device
+from pdserve.engine.sampler import SampleResult, sample, sample_on_device, skip_draw
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from pdserve.engine.simulated import SimulatedRunner
 from pdserve.engine.stats import EngineStats
@@ -321,6 +321,8 @@ class Engine:
         what the prefill rank produced; its grammar state is re-created here by accepting that token)."""
         request = self.requests[request_id]
         request.num_computed_tokens = len(request.prompt_token_ids)
+        if not request.sampling.greedy:  # the prefill rank drew this token from the same seed
+            skip_draw(request.generator, self.model_config.vocab_size)
         self.scheduler.add_running(request)
         # The prefill rank prefilled the prompt and sampled this token, and counted both: not counted again here.
         return self._append_token(request, first, counted_elsewhere=True)

@@ -151,6 +151,12 @@ def _ban(logits: torch.Tensor, banned_token_ids: Sequence[Sequence[int]]) -> Non
         logits[on_device(rows, logits.device), on_device(cols, logits.device)] = float("-inf")
 
 
+def skip_draw(generator: torch.Generator, vocab_size: int) -> None:
+    """Advance `generator` as one row's draw over `vocab_size` tokens does: a request whose token was drawn elsewhere
+    from the same seed (its prefill rank) then draws the tokens that follow as one rank drawing them all would."""
+    torch.empty(vocab_size, dtype=torch.float32, device=generator.device).exponential_(generator=generator)
+
+
 def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
     """One token per row, drawn from `probs` [B, V] by an exponential race: argmax(p / E) with E ~ Exp(1) i.i.d.
 
