@@ -37,11 +37,8 @@ class Continuation:
         done = len(self.streamed_token_ids)
         if not done:  # a first attempt, or a retry before any token: as asked (no copy, no re-validation)
             return self.sampling
-        grammar = self.sampling.grammar
-        if grammar is not None:  # the next worker's matcher starts after what was streamed
-            grammar = replace(grammar, accepted_token_ids=grammar.accepted_token_ids + self.streamed_token_ids)
         return replace(self.sampling, max_tokens=self.sampling.max_tokens - done,
-                       min_tokens=max(0, self.sampling.min_tokens - done), grammar=grammar)
+                       min_tokens=max(0, self.sampling.min_tokens - done), continued_tokens=done)
 
     def migrate(self) -> None:
         """The next worker continues the stream: from now on the router makes the text."""

@@ -233,6 +233,9 @@ class Engine:
         vocab = self.model_config.vocab_size
         if bad := [t for t in prompt_token_ids if not 0 <= t < vocab]:
             raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if sampling.continued_tokens >= len(prompt_token_ids):
+            raise InvalidRequestError(f"continued_tokens ({sampling.continued_tokens}) must be fewer than the prompt's "
+                                      f"{len(prompt_token_ids)} tokens")
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(prompt_token_ids)} tokens; the context is {self.max_model_len}, leaving no room to generate"
@@ -247,11 +250,14 @@ class Engine:
             raise InvalidRequestError("stop strings need a tokenizer.json in the model directory")
         try:
             self.logits_processing.check(sampling)
-            grammar = self.logits_processing.grammar_for(sampling)
+            grammar = self.logits_processing.grammar_for(sampling, prompt_token_ids)
         except ValueError as error:
             raise InvalidRequestError(str(error)) from None
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
         generator = torch.Generator(device=self.device).manual_seed(seed)
+        if sampling.seed is not None and not sampling.greedy:
+            for _ in range(sampling.continued_tokens):  # drawn on the worker that made them
+                skip_draw(generator, vocab)
         request = Request(request_id, list(prompt_token_ids), sampling, generator, grammar=grammar)
         self.requests[request_id] = request
         if self.tokenizer is not None:
@@ -321,7 +327,7 @@ class Engine:
         what the prefill rank produced; its grammar state is re-created here by accepting that token)."""
         request = self.requests[request_id]
         request.num_computed_tokens = len(request.prompt_token_ids)
-        if not request.sampling.greedy:  # the prefill rank drew this token from the same seed
+        if request.sampling.seed is not None and not request.sampling.greedy:  # the prefill rank drew it from the seed
             skip_draw(request.generator, self.model_config.vocab_size)
         self.scheduler.add_running(request)
         # The prefill rank prefilled the prompt and sampled this token, and counted both: not counted again here.

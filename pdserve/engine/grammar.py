@@ -12,6 +12,7 @@ Lark grammars that reference special tokens by id (tool-call markers) and embed 
 
 import concurrent.futures
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import llguidance
@@ -36,7 +37,9 @@ class GrammarCompiler:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._mask_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
 
-    def matcher(self, grammar: Grammar) -> "RequestGrammar":
+    def matcher(self, grammar: Grammar, accepted_token_ids: Sequence[int] = ()) -> "RequestGrammar":
+        """`accepted_token_ids`: output already generated under the grammar elsewhere (a migrated stream), which
+        the matcher is advanced by before the first step."""
         if self._tokenizer_json is None:
             raise GrammarError("constrained decoding needs a tokenizer.json in the model directory")
         if self._tokenizer is None:
@@ -45,7 +48,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self._tokenizer, llguidance_grammar(grammar.kind, grammar.source), log_level=0)
         if matcher.is_error():
             raise GrammarError(f"invalid {grammar.kind} grammar: {matcher.get_error()}")
-        if grammar.accepted_token_ids and not matcher.consume_tokens(grammar.accepted_token_ids):
+        if accepted_token_ids and not matcher.consume_tokens(list(accepted_token_ids)):
             raise GrammarError(f"the tokens already generated do not follow the grammar: {matcher.get_error()}")
         return RequestGrammar(matcher, self.vocab_size, self._mask_thread)
 

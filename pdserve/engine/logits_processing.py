@@ -41,9 +41,13 @@ class LogitsProcessing:
         if bad := [t for t in sampling.logit_bias if not 0 <= t < self.vocab_size]:
             raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
 
-    def grammar_for(self, sampling: SamplingParams) -> RequestGrammar | None:
-        """A fresh matcher for the request's grammar (raises GrammarError, a ValueError, when it does not compile)."""
-        return None if sampling.grammar is None else self._grammars.matcher(sampling.grammar)
+    def grammar_for(self, sampling: SamplingParams, prompt_token_ids: Sequence[int]) -> RequestGrammar | None:
+        """A fresh matcher for the request's grammar, past its continued tokens (raises GrammarError, a ValueError,
+        when it does not compile or they do not follow it)."""
+        if sampling.grammar is None:
+            return None
+        continued = prompt_token_ids[len(prompt_token_ids) - sampling.continued_tokens:]
+        return self._grammars.matcher(sampling.grammar, continued)
 
     @staticmethod
     def needs_sync(requests: Sequence[Request]) -> bool:

@@ -31,7 +31,8 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], prom
         return
     device, vocab_size = logits.device, logits.shape[1]
     index = on_device(rows, device)
-    output_counts = token_counts([output_token_ids[row] for row in rows], vocab_size, device)
+    output_counts = token_counts([own_output(prompt_token_ids[row], output_token_ids[row], params[row]) for row in rows],
+                                 vocab_size, device)
     selected = logits[index]
     repetitions = [params[row].repetition_penalty for row in rows]
     if any(penalty != 1.0 for penalty in repetitions):
@@ -43,6 +44,14 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], prom
     presence = on_device([params[row].presence_penalty for row in rows], device, torch.float32)
     selected = selected - frequency[:, None] * output_counts - presence[:, None] * (output_counts > 0)
     logits[index] = selected.to(logits.dtype)
+
+
+def own_output(prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
+               params: SamplingParams) -> Sequence[int]:
+    """The request's output; a migrated stream's began at the end of its prompt (`continued_tokens`)."""
+    if not params.continued_tokens:
+        return output_token_ids
+    return [*prompt_token_ids[len(prompt_token_ids) - params.continued_tokens:], *output_token_ids]
 
 
 def token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:

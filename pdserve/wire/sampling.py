@@ -14,9 +14,6 @@ class Grammar:
 
     kind: Literal["json_schema", "lark"]
     source: str
-    # Output tokens already generated under this grammar elsewhere (a stream migrated to another worker continues
-    # after them): the new matcher is advanced by them before the first step.
-    accepted_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -38,6 +35,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt and output tokens
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits of these token ids
     grammar: Grammar | None = None
+    # The prompt's last this many tokens are this request's own output, made on another worker (a stream migrated
+    # after it died): they count as output (penalties, the grammar's matcher), and a seeded request's draws for
+    # them are skipped, so the tokens that follow are those of an undisturbed run. max_tokens and min_tokens are
+    # what is left.
+    continued_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,6 +51,7 @@ class SamplingParams:
             (self.top_k == -1 or self.top_k >= 1, "top_k must be -1 (off) or >= 1"),
             (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
             (self.min_tokens >= 0, "min_tokens must be >= 0"),
+            (self.continued_tokens >= 0, "continued_tokens must be >= 0"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),

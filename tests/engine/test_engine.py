@@ -1,6 +1,8 @@
 """Engine behaviour on a tiny model: caching, chunking, preemption and batching never change greedy tokens;
 sampling, stops and limits end generation where they should."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -88,6 +90,28 @@ def test_seeded_sampling_is_reproducible_and_seeds_differ(tiny_v2):
     assert a.token_ids != c.token_ids
     again = llm.generate(prompt_token_ids=[prompt], sampling=params[0])[0]
     assert again.token_ids == a.token_ids
+
+
+@pytest.mark.parametrize("cut", [1, 5, 11])
+def test_a_migrated_stream_draws_and_is_penalized_as_an_undisturbed_one(tiny_v2, cut):
+    """A stream continued on another worker (prompt + what was streamed, continued_tokens): a seeded draw skips the
+    streamed tokens' draws and the penalties count them as output, so the rest is the undisturbed run's."""
+    llm = LLM(tiny_v2, progress=False)
+    prompt = prompts_of((20,))[0]
+    sampling = SamplingParams(max_tokens=16, temperature=1.0, seed=9, presence_penalty=1.5, frequency_penalty=1.0,
+                              ignore_eos=True)
+    whole = llm.generate(prompt_token_ids=[prompt], sampling=sampling)[0].token_ids
+    streamed = whole[:cut]
+    rest = llm.generate(prompt_token_ids=[prompt + streamed], sampling=replace(
+        sampling, max_tokens=16 - cut, continued_tokens=cut))[0].token_ids
+    assert streamed + rest == whole
+    as_prompt = llm.generate(prompt_token_ids=[prompt + streamed], sampling=replace(sampling, max_tokens=16 - cut))[0]
+    assert streamed + as_prompt.token_ids != whole  # without it the continuation is another sample
+
+
+def test_continued_tokens_must_leave_a_prompt(tiny_v2):
+    with pytest.raises(InvalidRequestError, match="continued_tokens"):
+        LLM(tiny_v2, progress=False).generate(prompt_token_ids=[[5, 6, 7]], sampling=replace(GREEDY, continued_tokens=3))
 
 
 def test_stop_token_id_ends_generation_on_that_token(tiny_v2):

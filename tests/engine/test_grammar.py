@@ -85,9 +85,8 @@ def test_a_migrated_stream_continues_the_grammar_after_its_streamed_tokens(llm):
     prompt = llm.engine.tokenizer.encode(PROMPTS[1])
     whole = llm.generate(prompt_token_ids=[prompt], sampling=SamplingParams(max_tokens=120, temperature=0.0, grammar=grammar))[0]
     streamed = whole.token_ids[:5]
-    resumed = Grammar(grammar.kind, grammar.source, accepted_token_ids=streamed)
-    rest = llm.generate(prompt_token_ids=[prompt + streamed],
-                        sampling=SamplingParams(max_tokens=115, temperature=0.0, grammar=resumed))[0]
+    rest = llm.generate(prompt_token_ids=[prompt + streamed], sampling=SamplingParams(
+        max_tokens=115, temperature=0.0, grammar=grammar, continued_tokens=len(streamed)))[0]
     assert streamed + rest.token_ids == whole.token_ids
     jsonschema.validate(json.loads(whole.text), SCHEMA)
 

@@ -1,6 +1,8 @@
 """Request migration with real processes: the decode worker of a stream dies mid-stream (SIGKILL) and the router
-continues the stream on the other decode worker with no token lost or repeated; greedy output is token- and
-text-identical to an undisturbed run. With no decode worker left, the stream ends with a clear error event."""
+continues the stream on the other decode worker with no token lost or repeated; output is token- and text-identical
+to an undisturbed run, sampled with a seed and penalties too (the continued request names the streamed tokens: the
+penalties count them, the seeded generator skips their draws). With no decode worker left, the stream ends with a clear
+error event."""
 
 import threading
 
@@ -12,6 +14,7 @@ from pdserve.cluster.local import ClusterConfig, LocalCluster
 
 MAX_TOKENS = 500
 PROMPT = "a long story about a quick brown fox"
+SEEDED = {"temperature": 0.8, "seed": 1234, "presence_penalty": 0.5, "frequency_penalty": 0.3}
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +31,7 @@ def stream_in_background(cluster, model: str) -> tuple[threading.Thread, dict]:
     result: dict = {}
     streaming = threading.Event()
     thread = threading.Thread(target=lambda: result.setdefault(
-        "stream", stream_completion(cluster.url, model, PROMPT, MAX_TOKENS, streaming=streaming)))
+        "stream", stream_completion(cluster.url, model, PROMPT, MAX_TOKENS, streaming=streaming, **SEEDED)))
     thread.start()
     assert streaming.wait(timeout=TIMEOUT_S)
     return thread, result
@@ -46,7 +49,7 @@ def migrations_counted(cluster) -> float:
 
 def test_killing_the_decode_worker_mid_stream_continues_the_stream_token_identically(cluster):
     model = model_of(cluster.url)
-    undisturbed = stream_completion(cluster.url, model, PROMPT, MAX_TOKENS)
+    undisturbed = stream_completion(cluster.url, model, PROMPT, MAX_TOKENS, **SEEDED)
     assert undisturbed.finish_reason == "length" and len(undisturbed.token_ids) == MAX_TOKENS
 
     thread, result = stream_in_background(cluster, model)
@@ -56,7 +59,7 @@ def test_killing_the_decode_worker_mid_stream_continues_the_stream_token_identic
     assert not thread.is_alive()
     migrated = result["stream"]
     assert not migrated.errors and migrated.done and migrated.finish_reason == "length"
-    assert migrated.token_ids == undisturbed.token_ids  # nothing lost, nothing repeated, same greedy tokens
+    assert migrated.token_ids == undisturbed.token_ids  # nothing lost, nothing repeated, the same draws
     assert migrated.text == undisturbed.text
     assert migrations_counted(cluster) >= 1
     survivors = [w for w in cluster.workers if w.process.poll() is None]

@@ -47,8 +47,9 @@ def test_the_continued_request_carries_the_streamed_tokens_and_what_is_left_to_g
     continuation.absorb(TokenEvent("r", [7, 8, 9]))
     assert continuation.next_prompt() == [1, 2, 3, 7, 8, 9]
     assert continuation.next_sampling().max_tokens == 7 and continuation.next_sampling().min_tokens == 1
+    assert continuation.next_sampling().continued_tokens == 3  # penalties, a grammar and a seed go on after them
     continuation.absorb(TokenEvent("r", [10, 11]))
-    assert continuation.next_sampling().min_tokens == 0
+    assert continuation.next_sampling().min_tokens == 0 and continuation.next_sampling().continued_tokens == 5
 
 
 @pytest.mark.parametrize("text", ["the quick brown fox jumps over the lazy dog", "héllo wörld ünïcode ✓ done"])
