@@ -32,6 +32,11 @@ CASES = {
                                            "top_logprobs": 2}),
     "chat json_object": ("chat/completions", {"messages": MESSAGES, "max_tokens": 12, "temperature": 0,
                                               "response_format": {"type": "json_object"}}),
+    "chat json_schema seeded": ("chat/completions", {
+        "messages": MESSAGES, "max_tokens": 24, "temperature": 1.0, "seed": 8, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "pick", "schema": {
+                "type": "object", "properties": {"n": {"type": "integer"}, "word": {"type": "string"}},
+                "required": ["n", "word"]}}}}),
     "chat seeded": ("chat/completions", {"messages": MESSAGES, "max_tokens": 10, "temperature": 1.0, "seed": 5}),
 }
 
