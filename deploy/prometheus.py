@@ -1,8 +1,10 @@
-"""Prometheus scrape configs for pdserve, built from the scrape settings the chart renders.
+"""Prometheus scrape configs and alerting rules for pdserve, built from what the chart renders for the Prometheus
+Operator.
 
 Two shapes of one job: Kubernetes pod discovery by the chart's prometheus.io/* annotations (clusters
 without the Prometheus Operator), and static targets (a local cluster of processes on one machine).
-Both give each series the same `component` and `pool` labels as the chart's PodMonitor.
+Both give each series the same `component` and `pool` labels as the chart's PodMonitor. The alerting rules are the
+chart's PrometheusRule as a plain rule file.
 """
 
 from __future__ import annotations
@@ -33,15 +35,25 @@ class StaticTarget:
     pool: str = ""
 
 
-def scrape_settings_from_chart(values: dict[str, Any] | None = None) -> ScrapeSettings:
-    """Path, interval and timeout of the PodMonitor the chart renders with these values."""
+def _operator_object(kind: str, values: dict[str, Any] | None, namespace: str) -> dict[str, Any]:
+    """The one object of `kind` the chart renders with these values and the Prometheus Operator on."""
     operator_on = {"monitoring": {"prometheusOperator": {"enabled": True}}}
     merged = _deep_merge(values or {}, operator_on)
-    monitors = [o for o in rendered_objects(render_chart(merged)) if o["kind"] == "PodMonitor"]
-    if len(monitors) != 1:
-        raise ValueError(f"expected one PodMonitor in the rendered chart, found {len(monitors)}")
-    endpoint = monitors[0]["spec"]["podMetricsEndpoints"][0]
+    found = [o for o in rendered_objects(render_chart(merged, namespace=namespace)) if o["kind"] == kind]
+    if len(found) != 1:
+        raise ValueError(f"expected one {kind} in the rendered chart, found {len(found)}")
+    return found[0]
+
+
+def scrape_settings_from_chart(values: dict[str, Any] | None = None) -> ScrapeSettings:
+    """Path, interval and timeout of the PodMonitor the chart renders with these values."""
+    endpoint = _operator_object("PodMonitor", values, "default")["spec"]["podMetricsEndpoints"][0]
     return ScrapeSettings(endpoint["path"], endpoint["interval"], endpoint["scrapeTimeout"])
+
+
+def alert_rules_from_chart(values: dict[str, Any] | None = None, namespace: str = "default") -> dict[str, Any]:
+    """The chart's PrometheusRule for a release in `namespace` as a Prometheus rule file ({"groups": [...]})."""
+    return {"groups": _operator_object("PrometheusRule", values, namespace)["spec"]["groups"]}
 
 
 def kubernetes_scrape_job(settings: ScrapeSettings) -> dict[str, Any]:

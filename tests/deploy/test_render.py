@@ -20,6 +20,7 @@ def test_check_reports_a_stale_file(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(render, "MANIFESTS", stale)
     monkeypatch.setattr(render, "DEPLOY_DIR", tmp_path)
     monkeypatch.setattr(render, "SCRAPE_CONFIG", tmp_path / "missing.yaml")
+    monkeypatch.setattr(render, "ALERT_RULES", tmp_path / "alerts.yaml")
     assert render.main(["--check"]) == 1
     assert render.main([]) == 0
     assert render.main(["--check"]) == 0 and stale.read_text() != "# old\n"

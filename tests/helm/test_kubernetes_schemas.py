@@ -73,6 +73,26 @@ SERVICE_MONITOR_SPEC = {
                    "endpoints": POD_MONITOR_SPEC["properties"]["podMetricsEndpoints"]},
 }
 
+DURATION = {"type": "string", "pattern": "^([0-9]+(ms|s|m|h))+$"}
+PROMETHEUS_RULE_SPEC = {
+    "type": "object",
+    "required": ["groups"],
+    "additionalProperties": False,
+    "properties": {"groups": {"type": "array", "items": {
+        "type": "object",
+        "required": ["name", "rules"],
+        "additionalProperties": False,
+        "properties": {"name": {"type": "string"}, "rules": {"type": "array", "items": {
+            "type": "object",
+            "required": ["alert", "expr"],
+            "additionalProperties": False,
+            "properties": {"alert": {"type": "string"}, "expr": {"type": "string"}, "for": DURATION,
+                           "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+                           "annotations": {"type": "object", "additionalProperties": {"type": "string"}}},
+        }}},
+    }}},
+}
+
 
 def _validate(obj: dict[str, Any], version: str) -> None:
     if obj["apiVersion"] == "leaderworkerset.x-k8s.io/v1":
@@ -85,6 +105,8 @@ def _validate(obj: dict[str, Any], version: str) -> None:
         jsonschema.validate(obj["spec"], POD_MONITOR_SPEC)
     elif obj["kind"] == "ServiceMonitor":
         jsonschema.validate(obj["spec"], SERVICE_MONITOR_SPEC)
+    elif obj["kind"] == "PrometheusRule":
+        jsonschema.validate(obj["spec"], PROMETHEUS_RULE_SPEC)
     else:
         kubernetes_validate.validate(obj, version, strict=True)
 
