@@ -7,6 +7,7 @@ import json
 
 import pytest
 from probes import HTTP
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.cluster.inprocess import InProcessCluster
 from pdserve.cluster.layout import ClusterConfig
@@ -84,15 +85,23 @@ def answers(cfg: ClusterConfig) -> dict[str, tuple]:
             chunks = [json.loads(line[len("data: "):]) for line in streamed.text.splitlines()
                       if line.startswith("data: ") and line != "data: [DONE]"]
             found[name] = (whole.status_code, without_ids(whole.json()), streamed.status_code, stream_content(chunks))
+        for worker in cluster.workers:  # every rank of every worker took part
+            text = HTTP.get(worker.url + "/metrics", timeout=TIMEOUT_S).text
+            counted = {sample.labels["rank"]: sample.value for family in text_string_to_metric_families(text)
+                       for sample in family.samples if sample.name == "pdserve_generation_tokens_total"}
+            assert len(counted) == cfg.ranks_per_worker and all(counted.values()), (worker.name, counted)
         return found
 
 
-@pytest.fixture(scope="module")
-def both_ways(tiny_v2) -> tuple[dict, dict]:
-    worker_args = ("--dtype", "float32")
-    disaggregated = answers(ClusterConfig(model=tiny_v2, port=0, num_prefill=1, num_decode=1, worker_args=worker_args))
+@pytest.fixture(scope="module", params=[1, 2], ids=["1 rank", "2 ranks"])
+def both_ways(tiny_v2, request) -> tuple[dict, dict]:
+    """Workers of one rank, and of two (round robin: requests take turns on the ranks, hand-offs from and to rank 1
+    too)."""
+    worker_args, ranks = ("--dtype", "float32"), request.param
+    disaggregated = answers(ClusterConfig(model=tiny_v2, port=0, num_prefill=1, num_decode=1, ranks_per_worker=ranks,
+                                          routing="round_robin", worker_args=worker_args))
     colocated = answers(ClusterConfig(model=tiny_v2, port=0, num_prefill=0, num_decode=0, num_both=1,
-                                      worker_args=worker_args))
+                                      ranks_per_worker=ranks, routing="round_robin", worker_args=worker_args))
     return disaggregated, colocated
 
 
