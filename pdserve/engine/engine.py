@@ -182,10 +182,11 @@ class Engine:
 
     def _build_model(self, cfg: EngineConfig, experts: ExpertRange | None,
                      wrap_moe: Callable[[MoEBackend], MoEBackend] | None) -> DeepseekForCausalLM:
-        backends = select_backends(cfg.attention_backend, cfg.moe_backend, self.device, self.dtype)
+        mc = self.model_config
+        backends = select_backends(cfg.attention_backend, cfg.moe_backend, self.device, self.dtype,
+                                   mla_widths=(mc.kv_lora_rank, mc.qk_rope_head_dim))
         if wrap_moe is not None:
             backends = replace(backends, moe=wrap_moe(backends.moe))
-        mc = self.model_config
         if mc.n_routed_experts:
             backends = replace(backends, expert_load=ExpertLoad.zeros(mc.num_hidden_layers, mc.n_routed_experts,
                                                                       self.device))

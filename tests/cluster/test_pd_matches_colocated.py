@@ -6,11 +6,13 @@ request must draw the same tokens on both paths. Streams are compared by what th
 import json
 
 import pytest
+import torch
 from probes import HTTP
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.cluster.inprocess import InProcessCluster
 from pdserve.cluster.layout import ClusterConfig
+from tests.engine.test_cuda_graphs import FLASHINFER_SHAPE
 
 TIMEOUT_S = 60.0
 PROMPT = list(range(5, 45))
@@ -93,14 +95,25 @@ def answers(cfg: ClusterConfig) -> dict[str, tuple]:
         return found
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["1 rank", "2 ranks"])
-def both_ways(tiny_v2, request) -> tuple[dict, dict]:
+# On the CPU in float32. On a GPU in bf16, both workers on GPU 0 with small pools, KV over NIXL from GPU memory: the
+# tiny model's narrow attention on the torch reference, eagerly (`pdserve up` on a GPU machine), and a model of
+# flashinfer's widths as served (flashinfer, CUDA graphs, overlapped steps).
+ON_CPU, ON_GPU = ("--dtype", "float32"), ("--num-pages", "512")
+ON_GPU_CASES = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param((ON_CPU, 1, {}), id="1 rank"), pytest.param((ON_CPU, 2, {}), id="2 ranks"),
+    pytest.param((ON_GPU, 1, {}), id="gpu eager", marks=ON_GPU_CASES),
+    pytest.param((ON_GPU, 1, FLASHINFER_SHAPE), id="gpu flashinfer", marks=ON_GPU_CASES)])
+def both_ways(tiny_model_factory, request) -> tuple[dict, dict]:
     """Workers of one rank, and of two (round robin: requests take turns on the ranks, hand-offs from and to rank 1
     too)."""
-    worker_args, ranks = ("--dtype", "float32"), request.param
-    disaggregated = answers(ClusterConfig(model=tiny_v2, port=0, num_prefill=1, num_decode=1, ranks_per_worker=ranks,
+    worker_args, ranks, shape = request.param
+    model = tiny_model_factory("v2", **shape)
+    disaggregated = answers(ClusterConfig(model=model, port=0, num_prefill=1, num_decode=1, ranks_per_worker=ranks,
                                           routing="round_robin", worker_args=worker_args))
-    colocated = answers(ClusterConfig(model=tiny_v2, port=0, num_prefill=0, num_decode=0, num_both=1,
+    colocated = answers(ClusterConfig(model=model, port=0, num_prefill=0, num_decode=0, num_both=1,
                                       ranks_per_worker=ranks, routing="round_robin", worker_args=worker_args))
     return disaggregated, colocated
 

@@ -17,6 +17,7 @@ from pdserve.engine.engine import Engine, NoCapacityError, RequestOutput
 from pdserve.text.grammars import json_schema_source
 from pdserve.text.tokenizer import PromptTokenizer
 from pdserve.wire.sampling import Grammar
+from tests.engine.test_cuda_graphs import FLASHINFER_SHAPE
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -329,9 +330,6 @@ def test_prefill_only_requests_keep_exactly_the_prompt_pages_when_the_prompt_fil
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-# flashinfer's kernels take the real latent widths and 16 heads (as in test_cuda_graphs.py); the rest stays tiny.
-FLASHINFER_SHAPE = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "num_attention_heads": 16, "num_key_value_heads": 16,
-                    "qk_nope_head_dim": 128, "v_head_dim": 128}
 
 
 def first_divergence(sync: Run, overlapped: Run, request_id: str) -> int | None:
