@@ -369,6 +369,9 @@ class RankRuntime:
             return self._error(request_id, str(error), prefill_failed=True)
         except (ValueError, NoCapacityError, TransferError) as error:  # ValueError: InvalidRequestError
             return self._error(request_id, str(error))
+        except Exception as error:  # noqa: BLE001 - a fault of ours ends the stream at once; else its caller waits
+            log.exception("request %r could not start", request_id)
+            return self._error(request_id, f"the rank could not start the request: {error!r}")
 
     async def _receive(self, request: GenerateRequest) -> TokenEvent:
         """A decode plan's hand-off. Its first token goes out as soon as the receiver announces it, while the request

@@ -451,6 +451,25 @@ def test_a_replayed_or_unknown_notification_starts_no_decode(fresh, monkeypatch)
     assert eventually(lambda: fresh.decode.load().running == 0, timeout_s=10)  # the load snapshot follows a step
 
 
+@pytest.mark.parametrize("side", ["prefill", "colocated"])
+def test_a_fault_of_ours_starting_a_request_ends_its_stream_at_once(fresh, monkeypatch, side):
+    """A request the rank fails to start for a reason it does not expect (a bug; once an llguidance too old for a
+    list of EOS ids) ends with an error event at once: its stream stayed open, and a P/D request hung until the
+    prefill timeout."""
+    def broken(*args, **kwargs):
+        raise TypeError("argument 'eos_token': 'list' object cannot be interpreted as an integer")
+
+    if side == "prefill":
+        monkeypatch.setattr(fresh.prefill.engine, "add_prefill_only", broken)
+        events = fresh.disaggregated(new_id("broken-prefill"), PROMPT, GREEDY)
+        assert events[-1].prefill_failed  # the router tries another prefill rank, or the decode rank itself
+    else:
+        monkeypatch.setattr(fresh.decode.engine, "add_request", broken)
+        events = fresh.generate(fresh.decode, GenerateRequest(new_id("broken"), 0, PROMPT, GREEDY, Plan("both")))
+    assert events[-1].finish_reason == "error" and "TypeError" in events[-1].error, events[-1]
+    assert not tokens(events)
+
+
 def test_a_refused_prefill_frees_the_reservation_at_once(fresh):
     fresh.prefill_worker.mode = "refuse"
     rid = new_id("refused")
