@@ -27,7 +27,7 @@ from pdserve.engine.logits_processing import LogitsProcessing
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.piecewise_graphs import piecewise_graph_config
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sampler import SampleResult, sample, sample_on_device, skip_draw
+from pdserve.engine.sampler import SampleResult, sample, sample_on_device, skip_draws
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from pdserve.engine.simulated import SimulatedRunner
 from pdserve.engine.stats import EngineStats
@@ -256,9 +256,8 @@ class Engine:
             raise InvalidRequestError(str(error)) from None
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        if sampling.seed is not None and not sampling.greedy:
-            for _ in range(sampling.continued_tokens):  # drawn on the worker that made them
-                skip_draw(generator, vocab)
+        if sampling.seed is not None and not sampling.greedy:  # drawn on the worker that made them
+            skip_draws(generator, vocab, sampling.continued_tokens)
         request = Request(request_id, list(prompt_token_ids), sampling, generator, grammar=grammar)
         self.requests[request_id] = request
         if self.tokenizer is not None:
@@ -329,7 +328,7 @@ class Engine:
         request = self.requests[request_id]
         request.num_computed_tokens = len(request.prompt_token_ids)
         if request.sampling.seed is not None and not request.sampling.greedy:  # the prefill rank drew it from the seed
-            skip_draw(request.generator, self.model_config.vocab_size)
+            skip_draws(request.generator, self.model_config.vocab_size, 1)
         self.scheduler.add_running(request)
         # The prefill rank prefilled the prompt and sampled this token, and counted both: not counted again here.
         return self._append_token(request, first, counted_elsewhere=True)

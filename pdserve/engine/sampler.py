@@ -151,10 +151,20 @@ def _ban(logits: torch.Tensor, banned_token_ids: Sequence[Sequence[int]]) -> Non
         logits[on_device(rows, logits.device), on_device(cols, logits.device)] = float("-inf")
 
 
-def skip_draw(generator: torch.Generator, vocab_size: int) -> None:
-    """Advance `generator` as one row's draw over `vocab_size` tokens does: a request whose token was drawn elsewhere
-    from the same seed (its prefill rank) then draws the tokens that follow as one rank drawing them all would."""
+def skip_draws(generator: torch.Generator, vocab_size: int, count: int) -> None:
+    """Advance `generator` as `count` row draws over `vocab_size` tokens do: a request whose tokens were drawn
+    elsewhere from the same seed (its prefill rank, a worker that died mid-stream) then draws the tokens that follow
+    as one rank drawing them all would. On CUDA one draw measures how far a draw moves Philox's offset, and the rest
+    is one jump: a stream migrated after thousands of tokens costs its new rank no kernel per token."""
+    if count <= 0:
+        return
+    start = generator.get_offset() if generator.device.type == "cuda" else None
     torch.empty(vocab_size, dtype=torch.float32, device=generator.device).exponential_(generator=generator)
+    if start is not None:
+        generator.set_offset(start + count * (generator.get_offset() - start))
+        return
+    for _ in range(count - 1):
+        torch.empty(vocab_size, dtype=torch.float32).exponential_(generator=generator)
 
 
 def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from pdserve.engine.sampler import filtered_probs, sample, skip_draw
+from pdserve.engine.sampler import filtered_probs, sample, skip_draws
 from pdserve.wire.sampling import SamplingParams
 
 VOCAB = 50
@@ -167,20 +167,22 @@ def test_mismatched_batch_sizes_are_rejected():
 @pytest.mark.parametrize("device", [
     "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                                            reason="needs CUDA")])])
-def test_a_skipped_draw_leaves_the_generator_where_a_row_of_a_batch_draw_does(device):
-    """The decode rank skips the draw of the token the prefill rank made: it must leave the generator exactly where
-    that draw did (one row of a batch, as the sampler draws), or the tokens after it are another sample."""
+@pytest.mark.parametrize("count", [1, 7])
+def test_skipped_draws_leave_the_generator_where_the_samplers_draws_do(device, count):
+    """The decode rank skips the draw of the token its prefill rank made, a migrated stream those of the tokens it
+    streamed: the generator must end exactly where that many draws of a batch row leave it (on CUDA by one jump of
+    Philox's offset), or the tokens after them are another sample."""
     params = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.7, seed=2)]
-    logits = torch.randn(2, VOCAB, device=device)
     drawn = [torch.Generator(device).manual_seed(s) for s in (3, 4)]
     skipped = [torch.Generator(device).manual_seed(s) for s in (3, 4)]
-    sample(logits, params, drawn, [[], []])
+    for _ in range(count):
+        sample(torch.randn(2, VOCAB, device=device), params, drawn, [[], []])
     for generator in skipped:
-        skip_draw(generator, VOCAB)
-    for after_draw, after_skip in zip(drawn, skipped):
-        assert torch.equal(torch.rand(8, device=device, generator=after_draw),
-                           torch.rand(8, device=device, generator=after_skip))
+        skip_draws(generator, VOCAB, count)
+    for after_draws, after_skips in zip(drawn, skipped):
+        assert torch.equal(torch.rand(8, device=device, generator=after_draws),
+                           torch.rand(8, device=device, generator=after_skips))
     skipped_once, fresh = torch.Generator(device).manual_seed(3), torch.Generator(device).manual_seed(3)
-    skip_draw(skipped_once, VOCAB)
+    skip_draws(skipped_once, VOCAB, 1)
     assert not torch.equal(torch.rand(8, device=device, generator=skipped_once),
                            torch.rand(8, device=device, generator=fresh))  # it does move the generator
