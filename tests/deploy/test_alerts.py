@@ -1,9 +1,11 @@
 """The chart's alerting rules: valid for Prometheus, reading only metrics of the contract, each firing when its
 condition has held for its `for` (and only for the series that meet it, in the release's namespace only), by
-promtool's rule unit tests: Prometheus's own evaluation of the rules over synthetic series."""
+promtool's rule unit tests: Prometheus's own evaluation of the rules over synthetic series. And one alert end to end:
+a real Prometheus scraping a real cluster whose prefill worker stopped."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 from pathlib import Path
@@ -13,8 +15,18 @@ import pytest
 import yaml
 
 from deploy.dashboards import METRIC_NAME, contract_metrics, metric_family
-from deploy.prometheus import alert_rules_from_chart, config_yaml
-from deploy.prometheus_local import prometheus_available
+from deploy.prometheus import (
+    StaticTarget,
+    alert_rules_from_chart,
+    config_yaml,
+    prometheus_config,
+    scrape_settings_from_chart,
+    static_scrape_job,
+)
+from deploy.prometheus_local import LocalPrometheus, prometheus_available
+from pdserve.cluster.inprocess import InProcessCluster
+from pdserve.cluster.layout import ClusterConfig
+from probes import HTTP
 
 NAMESPACE = "pdserve"
 RULES = alert_rules_from_chart(namespace=NAMESPACE)
@@ -139,3 +151,37 @@ def test_a_scenario_that_should_not_fire_fails_the_check(tmp_path: Path) -> None
     result = subprocess.run(["promtool", "test", "rules", "tests.yaml"], cwd=tmp_path, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode != 0
+
+
+@needs_promtool
+def test_a_real_prometheus_raises_the_prefill_pool_alert_for_a_cluster_whose_prefill_worker_stopped(tiny_v2, tmp_path):
+    """The rules as the chart renders them, loaded into a real Prometheus that scrapes a real router every second
+    (labelled with the release's namespace, as pod discovery would): nothing is pending while the pair serves; once
+    the prefill worker stops and the decode worker prefills for it, PdservePrefillPoolDown is pending."""
+    (tmp_path / "rules.yaml").write_text(config_yaml(RULES))
+    cfg = ClusterConfig(model=tiny_v2, port=0, num_prefill=1, num_decode=1, worker_args=("--dtype", "float32"))
+    with InProcessCluster(cfg) as cluster:
+        settings = dataclasses.replace(scrape_settings_from_chart(), interval="1s", timeout="1s")
+        job = static_scrape_job(settings, [StaticTarget(cluster.url.removeprefix("http://"), "router")])
+        for group in job["static_configs"]:
+            group["labels"]["namespace"] = NAMESPACE
+        config = prometheus_config(job, "1s") | {"rule_files": ["rules.yaml"]}
+        with LocalPrometheus(config_yaml(config), tmp_path) as prometheus:
+            model = HTTP.get(cluster.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+            complete = lambda: HTTP.post(cluster.url + "/v1/completions", timeout=60, json={  # noqa: E731
+                "model": model, "prompt": list(range(5, 45)), "max_tokens": 4, "temperature": 0})
+            assert complete().status_code == 200
+            prometheus.wait_for_data(f'pdserve_router_prefill_fallbacks_total{{namespace="{NAMESPACE}"}}', timeout_s=30)
+            assert not prometheus.query('ALERTS{alertname="PdservePrefillPoolDown"}')
+
+            prefill = cluster.workers[0]
+
+            async def stop() -> None:
+                prefill.server.should_exit = True
+                await prefill.task
+
+            cluster.run(stop(), 30)
+            assert [complete().status_code for _ in range(3)] == [200] * 3
+            pending = prometheus.wait_for_data(
+                'ALERTS{alertname="PdservePrefillPoolDown", alertstate="pending"}', timeout_s=30)
+            assert pending[0]["metric"]["namespace"] == NAMESPACE and pending[0]["metric"]["model"] == model
