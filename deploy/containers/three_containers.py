@@ -35,13 +35,16 @@ def podman(*args: str, check: bool = True, env: dict | None = None, timeout_s: f
     return result.stdout
 
 
-def wait_ready(url: str, containers: list[str], timeout_s: float) -> None:
+def wait_ready(url: str, containers: list[str], num_workers: int, timeout_s: float) -> None:
+    """Until the router routes to every worker: it is ready with the decode worker alone (the prefill fallback), and
+    a request served before the prefill worker is would move no KV."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+            workers = httpx.get(url + "/health", timeout=2).json().get("workers", {})
+            if sum(state == "ok" for state in workers.values()) >= num_workers:
                 return
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError):  # not up yet, or not JSON yet
             pass
         for name in containers:  # a container that died will never become ready
             if podman("container", "inspect", "--format", "{{.State.Running}}", name, check=False).strip() != "true":
@@ -81,7 +84,7 @@ def main() -> int:
                "router", "--model", "/model", "--host", "0.0.0.0", "--port", "8000",
                "--workers", peers, env=env)
         url = f"http://127.0.0.1:{router_port}"
-        wait_ready(url, list(names.values()), args.start_timeout_s)
+        wait_ready(url, list(names.values()), 2, args.start_timeout_s)
         print(f"[{time.monotonic() - started:5.0f} s] three containers up; router ready at {url}", flush=True)
 
         generator = torch.Generator().manual_seed(0)
