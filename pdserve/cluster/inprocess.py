@@ -163,6 +163,11 @@ class InProcessCluster(StartedCluster):
             rank.stop()
         return drained
 
+    def kill(self, worker: ServedApp) -> None:
+        """Stop serving `worker` as a killed process would: its server closes, and the router is not told (its health
+        checks find out); its ranks end with the cluster."""
+        self.run(self._stop_served([worker]), STOP_TIMEOUT_S + 1)
+
     def _require_pool_files(self) -> PoolFiles:
         if self._pool_files is None:
             raise ValueError("this cluster's pools are fixed: start it with ClusterConfig(scalable=True)")

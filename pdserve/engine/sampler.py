@@ -156,15 +156,16 @@ def skip_draws(generator: torch.Generator, vocab_size: int, count: int) -> None:
     elsewhere from the same seed (its prefill rank, a worker that died mid-stream) then draws the tokens that follow
     as one rank drawing them all would. On CUDA one draw measures how far a draw moves Philox's offset, and the rest
     is one jump: a stream migrated after thousands of tokens costs its new rank no kernel per token."""
-    if count <= 0:
-        return
-    start = generator.get_offset() if generator.device.type == "cuda" else None
-    torch.empty(vocab_size, dtype=torch.float32, device=generator.device).exponential_(generator=generator)
-    if start is not None:
+    def draw() -> None:
+        torch.empty(vocab_size, dtype=torch.float32, device=generator.device).exponential_(generator=generator)
+
+    if generator.device.type != "cuda":
+        for _ in range(count):
+            draw()
+    elif count > 0:
+        start = generator.get_offset()
+        draw()
         generator.set_offset(start + count * (generator.get_offset() - start))
-        return
-    for _ in range(count - 1):
-        torch.empty(vocab_size, dtype=torch.float32).exponential_(generator=generator)
 
 
 def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:

@@ -174,13 +174,7 @@ def test_a_real_prometheus_raises_the_prefill_pool_alert_for_a_cluster_whose_pre
             prometheus.wait_for_data(f'pdserve_router_prefill_fallbacks_total{{namespace="{NAMESPACE}"}}', timeout_s=30)
             assert not prometheus.query('ALERTS{alertname="PdservePrefillPoolDown"}')
 
-            prefill = cluster.workers[0]
-
-            async def stop() -> None:
-                prefill.server.should_exit = True
-                await prefill.task
-
-            cluster.run(stop(), 30)
+            cluster.kill(cluster.workers[0])  # the prefill worker
             assert [complete().status_code for _ in range(3)] == [200] * 3
             pending = prometheus.wait_for_data(
                 'ALERTS{alertname="PdservePrefillPoolDown", alertstate="pending"}', timeout_s=30)

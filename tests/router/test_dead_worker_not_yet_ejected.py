@@ -8,8 +8,6 @@ routable for the whole test:
 - with no other prefill worker, the decode worker prefills the retry itself (the router's prefill fallback), and the
   answer is the one the pair gave before."""
 
-import asyncio
-
 import pytest
 from probes import HTTP, metric_total
 
@@ -17,18 +15,6 @@ from pdserve.cluster.inprocess import InProcessCluster
 from pdserve.cluster.layout import ClusterConfig
 
 TIMEOUT_S = 60.0
-
-
-def stop_worker(cluster: InProcessCluster, index: int) -> None:
-    stopped = cluster.workers[index]
-
-    async def stop() -> None:
-        # A prefill worker's KV-event stream to the router never ends by itself: the stop cuts it.
-        stopped.server.should_exit = True
-        assert stopped.task is not None
-        await stopped.task
-
-    cluster.run(stop(), TIMEOUT_S)
 
 
 def completion(cluster: InProcessCluster, model: str, first: int):
@@ -49,7 +35,7 @@ def cluster_config(tiny_v2, num_prefill: int, num_decode: int, *router_args: str
 def test_a_request_sent_to_a_dead_worker_is_retried_with_the_live_one_of_its_pair(tiny_v2, pools, dead):
     with InProcessCluster(cluster_config(tiny_v2, *pools)) as cluster:
         model = model_of(cluster)
-        stop_worker(cluster, dead)
+        cluster.kill(cluster.workers[dead])  # a prefill worker's KV-event stream to the router is cut
         # Idle ranks take turns, so one of two requests in a row (at least) goes to the stopped worker.
         replies = [completion(cluster, model, 5 + i) for i in range(2)]
         assert [reply.status_code for reply in replies] == [200, 200], [reply.text for reply in replies]
@@ -61,7 +47,7 @@ def test_the_decode_worker_prefills_itself_when_the_only_prefill_worker_is_dead(
     with InProcessCluster(cluster_config(tiny_v2, 1, 1)) as cluster:
         model = model_of(cluster)
         before = completion(cluster, model, 5).json()["choices"][0]["text"]
-        stop_worker(cluster, 0)
+        cluster.kill(cluster.workers[0])
         replies = [completion(cluster, model, 5) for _ in range(2)]
         assert [reply.status_code for reply in replies] == [200, 200], [reply.text for reply in replies]
         assert [reply.json()["choices"][0]["text"] for reply in replies] == [before] * 2
@@ -72,7 +58,7 @@ def test_the_decode_worker_prefills_itself_when_the_only_prefill_worker_is_dead(
 def test_without_the_fallback_a_dead_only_prefill_worker_fails_the_request(tiny_v2):
     with InProcessCluster(cluster_config(tiny_v2, 1, 1, "--no-prefill-fallback")) as cluster:
         model = model_of(cluster)
-        stop_worker(cluster, 0)
+        cluster.kill(cluster.workers[0])
         reply = completion(cluster, model, 5)
         assert reply.status_code == 502, reply.text
         assert "prefill" in reply.json()["error"]["message"]
