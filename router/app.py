@@ -26,6 +26,7 @@ from pdserve_router.hot_routes import RouterApp
 from pdserve_router.metrics import RouterMetrics
 from pdserve_router.policies import LocalPrefillRule, make_policy
 from pdserve_router.prefix_index import PrefixIndex
+from pdserve_router.responses_api_request import ResponsesRequest, as_responses_error, chat_request_of
 from pdserve_router.serving import Serving
 from pdserve_router.text_workers import TextWorkers
 from pdserve_router.workers import WorkerPool
@@ -148,15 +149,24 @@ def build_router_app(config: RouterConfig, discovery: Discovery | None = None) -
         body = await read_body_limited(request, config.max_body_bytes)
         if parts.serving is None:
             raise APIError(503, "the router is starting", type="server_error", headers={"Retry-After": "1"})
+        serving, responses_request = parts.serving, None
         if kind == "chat":
             parsed = schema.decode_request(body, schema.ChatCompletionRequest)
-            plan = await parts.serving.plan_chat(parsed)
+            plan = await serving.plan_chat(parsed)
+        elif kind == "responses":
+            responses_request = schema.decode_request(body, ResponsesRequest)
+            try:
+                parsed = chat_request_of(responses_request)
+                plan = await serving.plan_chat(parsed)
+            except APIError as error:
+                raise as_responses_error(error) from None
         else:
             parsed = schema.decode_request(body, schema.CompletionRequest)
-            plan = await parts.serving.plan_completion(parsed)
+            plan = await serving.plan_completion(parsed)
+        builder = serving.builder(kind, plan, responses_request)
         release = parts.admission.enter(api_key)
         try:
-            return await parts.serving.respond(kind, parsed, plan, request, arrival_s, release)
+            return await serving.respond(parsed, plan, builder, request, arrival_s, release)
         except BaseException:
             release()
             raise
@@ -164,6 +174,7 @@ def build_router_app(config: RouterConfig, discovery: Discovery | None = None) -
     generation_errors = (400, 401, 404, 408, 413, 429)
     completion_extra, completion_components = _openapi(schema.CompletionRequest, generation_errors)
     chat_extra, chat_components = _openapi(schema.ChatCompletionRequest, generation_errors)
+    responses_extra, responses_components = _openapi(ResponsesRequest, generation_errors)
     tokenize_extra, tokenize_components = _openapi(schema.TokenizeRequest, (400, 401, 404, 408, 413))
     detokenize_extra, detokenize_components = _openapi(schema.DetokenizeRequest, (400, 401, 404, 408, 413))
 
@@ -175,7 +186,12 @@ def build_router_app(config: RouterConfig, discovery: Discovery | None = None) -
     async def chat_completions(request: Request) -> Response:
         return await handle_generation(request, "chat")
 
-    app.hot_posts.update({"/v1/completions": completions, "/v1/chat/completions": chat_completions})
+    @app.post("/v1/responses", openapi_extra=responses_extra)
+    async def responses(request: Request) -> Response:
+        return await handle_generation(request, "responses")
+
+    app.hot_posts.update({"/v1/completions": completions, "/v1/chat/completions": chat_completions,
+                          "/v1/responses": responses})
 
     def model_card() -> dict:
         model = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "pdserve"}
@@ -239,7 +255,8 @@ def build_router_app(config: RouterConfig, discovery: Discovery | None = None) -
     def openapi_with_request_schemas() -> dict:
         document = original_openapi()
         document.setdefault("components", {}).setdefault("schemas", {}).update(
-            {**completion_components, **chat_components, **tokenize_components, **detokenize_components})
+            {**completion_components, **chat_components, **responses_components, **tokenize_components,
+             **detokenize_components})
         return document
 
     app.openapi = openapi_with_request_schemas

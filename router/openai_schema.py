@@ -227,7 +227,9 @@ def chat_messages_of(request_messages: list[ChatMessage]) -> list[dict[str, Any]
             if any(part.type != "text" or part.text is None for part in content):
                 raise bad_request("only text content parts are supported", param=f"messages[{index}].content")
             content = "".join(part.text for part in content if part.text)
-        rendered: dict[str, Any] = {"role": message.role, "content": content or ""}
+        # OpenAI's developer messages are what system messages were before them; templates know only system
+        role = "system" if message.role == "developer" else message.role
+        rendered: dict[str, Any] = {"role": role, "content": content or ""}
         if message.name is not None:
             rendered["name"] = message.name
         if message.tool_calls:

@@ -10,6 +10,7 @@ import msgspec
 from pdserve.text.tokenizer import PromptTokenizer
 from pdserve.text.tool_calls import ToolCallDelta, ToolCallParser
 from pdserve.wire.protocol import TokenEvent
+from pdserve_router.errors import APIError
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class ResponseOptions:
     max_tool_calls: int | None = None  # parallel_tool_calls: false -> 1
     echo_texts: list[str] | None = None  # completions with echo: per prompt, the text put before the output
     n: int = 1  # choices per prompt
+    include_usage: bool = False  # streams: a last chunk with the usage (stream_options.include_usage)
 
 
 @dataclass
@@ -169,7 +171,7 @@ class ResponseBuilder:
                 delta["role"] = "assistant"
             content, calls = event.text, []
             if self.options.parse_tool_calls:
-                content, calls = self._stream_tool_calls(choice, event)
+                content, calls = self.stream_tool_calls(choice, event)
                 if choice.tool_parser is not None and choice.tool_parser.calls and finish_reason == "stop":
                     finish_reason = "tool_calls"
             if content or not calls:
@@ -189,7 +191,9 @@ class ResponseBuilder:
                 item["prompt_token_ids"] = choice.prompt_token_ids
         return sse(self._envelope(self._chunk_object(), [item]))
 
-    def _stream_tool_calls(self, choice: ChoiceOutput, event: TokenEvent) -> tuple[str, list[dict[str, Any]]]:
+    def stream_tool_calls(self, choice: ChoiceOutput, event: TokenEvent) -> tuple[str, list[dict[str, Any]]]:
+        """An event's text split into content and chat tool-call deltas (each with its call's index; id, type and
+        name with its first delta), as far as the choice's parser has seen."""
         if choice.tool_parser is None:
             choice.tool_parser = ToolCallParser()
         content, deltas = choice.tool_parser.feed(event.text)
@@ -207,6 +211,17 @@ class ResponseBuilder:
                 call["function"]["name"] = delta.name
             calls.append(call)
         return content, calls
+
+    def head(self) -> bytes:
+        """What a stream sends before its first chunk: nothing, for completions and chat."""
+        return b""
+
+    def failed(self, error: APIError) -> bytes:
+        return sse(error.body())
+
+    def tail(self, choices: list[ChoiceOutput], usage_body: dict[str, Any]) -> bytes:
+        """What ends a stream: the usage chunk if asked for, then [DONE]."""
+        return (self.usage_chunk(usage_body) if self.options.include_usage else b"") + SSE_DONE
 
     def usage_chunk(self, usage_body: dict[str, Any]) -> bytes:
         body = self._envelope(self._chunk_object(), [])

@@ -24,10 +24,14 @@ from pdserve_router import openai_schema as schema
 from pdserve_router.dispatch import Dispatcher, no_workers_error
 from pdserve_router.errors import APIError
 from pdserve_router.metrics import RouterMetrics
-from pdserve_router.responses import SSE_DONE, ChoiceOutput, ResponseBuilder, ResponseOptions, sse, usage
+from pdserve_router.responses import ChoiceOutput, ResponseBuilder, ResponseOptions, usage
+from pdserve_router.responses_api_output import ResponsesBuilder
+from pdserve_router.responses_api_request import ResponsesRequest
 from pdserve_router.text_workers import TextWorkers
 
 DISCONNECT_POLL_S = 0.5
+
+Builder = ResponseBuilder | ResponsesBuilder  # what turns a request's outputs into bodies and stream events
 
 
 class ReleasingStreamingResponse(StreamingResponse):
@@ -139,7 +143,8 @@ class Serving:
         else:
             wants_logprobs = request.logprobs is not None
         return ResponseOptions(logprobs=wants_logprobs, top_logprobs=schema.top_logprobs_of(request),
-                               return_token_ids=bool(request.return_token_ids), n=request.n or 1, **kwargs)
+                               return_token_ids=bool(request.return_token_ids), n=request.n or 1,
+                               include_usage=schema.include_usage_in_stream(request), **kwargs)
 
     async def plan_completion(self, request: schema.CompletionRequest) -> RequestPlan:
         chars = self._check_request(request)
@@ -247,18 +252,29 @@ class Serving:
 
     # --- choices -> response ---------------------------------------------------------------------------------------
 
-    async def respond(self, kind: str, request: schema.SamplingFields, plan: RequestPlan, http_request: Request,
+    def response_id(self, prefix: str) -> str:
+        return f"{prefix}{self._id_prefix}{next(self._id_numbers):016x}"
+
+    def builder(self, kind: str, plan: RequestPlan, responses_request: ResponsesRequest | None = None) -> Builder:
+        """The response builder of a completions, chat or Responses (`kind` completion, chat, responses) request."""
+        created = int(time.time())
+        if kind == "responses":
+            assert responses_request is not None
+            return ResponsesBuilder(self.response_id("resp_"), created, self.model_name, self.tokenizer, plan.options,
+                                    responses_request)
+        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+        return ResponseBuilder(kind, self.response_id(prefix), created, self.model_name, self.tokenizer, plan.options)
+
+    async def respond(self, request: schema.SamplingFields, plan: RequestPlan, builder: Builder, http_request: Request,
                       arrival_s: float, on_done: Callable[[], None]) -> Response:
         if not self.dispatcher.can_serve():
             raise no_workers_error(self._retry_after_s)
-        request_id = f"{'chatcmpl-' if kind == 'chat' else 'cmpl-'}{self._id_prefix}{next(self._id_numbers):016x}"
-        builder = ResponseBuilder(kind, request_id, int(time.time()), self.model_name, self.tokenizer, plan.options)
         plans = plan.choices
         outputs = [ChoiceOutput(plan.index, plan.prompt_token_ids) for plan in plans]
-        events = self._merged_events(request_id, plans, arrival_s)
+        events = self._merged_events(builder.request_id, plans, arrival_s)
         n = request.n or 1
         if request.stream:
-            stream = self._stream(builder, outputs, events, schema.include_usage_in_stream(request), n, arrival_s)
+            stream = self._stream(builder, outputs, events, n, arrival_s)
             return ReleasingStreamingResponse(stream, on_done, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             await self._collect_unless_disconnected(outputs, events, http_request, arrival_s)
@@ -386,11 +402,13 @@ class Serving:
                 looking.cancel()
         self.metrics.observe_e2e(time.monotonic() - arrival_s)
 
-    async def _stream(self, builder: ResponseBuilder, outputs: list[ChoiceOutput], events, include_usage: bool, n: int,
+    async def _stream(self, builder: Builder, outputs: list[ChoiceOutput], events, n: int,
                       arrival_s: float) -> AsyncIterator[bytes]:
         last_token_s: dict[int, float] = {}
         status = "client_disconnected"  # unless the loop below reaches an end
         try:
+            if head := builder.head():
+                yield head
             try:
                 async with contextlib.aclosing(events):  # leaving early must cancel (and abort) every choice now
                     async for batch in events:
@@ -401,8 +419,8 @@ class Serving:
                             text_offset = len(output.text)
                             self._absorb(output, event, last_token_s, arrival_s)
                             if event.finish_reason == "error":
-                                chunks.append(sse(APIError(502, f"the worker failed while generating: {event.error}",
-                                                           code="worker_error", type="server_error").body()))
+                                chunks.append(builder.failed(APIError(502, f"the worker failed while generating: {event.error}",
+                                                                      code="worker_error", type="server_error")))
                             elif event.token_ids or event.text or event.finish_reason is not None:
                                 chunk = builder.chunk(output, event, first, text_offset)
                                 if chunk is not None:
@@ -412,10 +430,8 @@ class Serving:
                 status = "error" if any(o.finish_reason == "error" for o in outputs) else "ok"
             except APIError as error:
                 status = "error"
-                yield sse(error.body())
-            if include_usage:
-                yield builder.usage_chunk(usage(outputs, n))
-            yield SSE_DONE
+                yield builder.failed(error)
+            yield builder.tail(outputs, usage(outputs, n))
             self.metrics.observe_e2e(time.monotonic() - arrival_s)
         finally:
             self.metrics.count_request(status)

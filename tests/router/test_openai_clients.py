@@ -200,17 +200,26 @@ def test_langchain_two_tool_agent_loop_reaches_a_final_answer(cluster, model):
     assert final.response_metadata["finish_reason"] in ("stop", "length")
 
 
-def test_openai_agents_sdk_runs_a_function_tool_to_a_final_output(cluster, model):
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+def agents_weather_tool():
+    """An openai-agents function tool, and the cities it was called with."""
+    from agents import function_tool, set_tracing_disabled
 
     set_tracing_disabled(True)
-    cities = []
+    cities: list[str] = []
 
     @function_tool
     def get_weather(city: Literal["Paris", "Rome"]) -> str:
         """Current weather in a city."""
         cities.append(city)
         return f"sunny in {city}"
+
+    return get_weather, cities
+
+
+def test_openai_agents_sdk_runs_a_function_tool_to_a_final_output(cluster, model):
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner
+
+    get_weather, cities = agents_weather_tool()
 
     async def run():
         # The client is closed in the loop it ran in: left to the garbage collector, it would try to close itself on
@@ -261,3 +270,108 @@ def test_a_huge_prompt_being_tokenized_does_not_stall_another_stream(cluster, mo
     assert response.status_code == 400 and error["code"] == "context_length_exceeded"  # it was tokenized whole
     during = [t for t in arrivals if started < t < finished]
     assert len(during) >= 3, f"{len(during)} tokens arrived in the {finished - started:.1f} s of tokenization"
+
+
+# --- the Responses API ---------------------------------------------------------------------------------------------
+
+def flat_tool(tool: dict) -> dict:
+    """A chat tool as the Responses API takes it."""
+    return {"type": "function", **tool["function"]}
+
+
+def test_responses_api_text_equals_chat_and_streams_the_same_text(client, model):
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}],
+        temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
+    kwargs = dict(model=model, instructions="Be brief.", input="Hello", temperature=0, max_output_tokens=12,
+                  extra_body={"ignore_eos": True})
+    response = client.responses.create(**kwargs)
+    assert response.output_text == chat.choices[0].message.content
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.input_tokens == chat.usage.prompt_tokens and response.usage.output_tokens == 12
+    assert response.id.startswith("resp_") and response.store is False
+    # A developer message is a system message, and the input may be items.
+    items = client.responses.create(**{**kwargs, "instructions": None, "input": [
+        {"role": "developer", "content": "Be brief."}, {"type": "message", "role": "user",
+                                                        "content": [{"type": "input_text", "text": "Hello"}]}]})
+    assert items.output_text == response.output_text
+    events = list(client.responses.create(stream=True, **kwargs))
+    deltas = [event.delta for event in events if event.type == "response.output_text.delta"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    # As OpenAI's, a stream cut by max_output_tokens ends with response.incomplete, not response.completed.
+    assert [e.type for e in (events[0], events[1], events[-1])] == [
+        "response.created", "response.in_progress", "response.incomplete"]
+    final = events[-1].response
+    assert "".join(deltas) == final.output_text == response.output_text and len(deltas) > 1
+    assert final.status == "incomplete" and final.usage.output_tokens == 12
+
+
+def test_responses_api_parse_returns_the_pydantic_model(client, model):
+    parsed = client.responses.parse(model=model, input=QUESTIONS[0], text_format=Weather, temperature=0,
+                                    max_output_tokens=100)
+    assert isinstance(parsed.output_parsed, Weather) and parsed.status == "completed"
+
+
+def test_responses_api_function_call_round_trip_whole_and_streamed(client, model):
+    tools = [flat_tool(WEATHER_TOOL), flat_tool(TIME_TOOL)]
+    kwargs = dict(model=model, input=[{"role": "user", "content": "Time in CET?"}], tools=tools, temperature=0,
+                  max_output_tokens=60, tool_choice={"type": "function", "name": "get_time"}, parallel_tool_calls=False)
+    first = client.responses.create(**kwargs)
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert [c.name for c in calls] == ["get_time"] and first.status == "completed"
+    jsonschema.validate(json.loads(calls[0].arguments), TIME_TOOL["function"]["parameters"])
+    with client.responses.stream(**kwargs) as stream:
+        arguments = "".join(e.delta for e in stream if e.type == "response.function_call_arguments.delta")
+        streamed = stream.get_final_response()
+    streamed_calls = [item for item in streamed.output if item.type == "function_call"]
+    assert [(c.name, c.arguments) for c in streamed_calls] == [(c.name, c.arguments) for c in calls] == [
+        ("get_time", arguments)]
+    # The call and its output go back as items, as the SDK's agent loops send them.
+    final = client.responses.create(**{**kwargs, "tool_choice": "none", "max_output_tokens": 20, "input": [
+        *kwargs["input"], *[item.model_dump(exclude_none=True) for item in first.output],
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "12:00"}]})
+    assert not [item for item in final.output if item.type == "function_call"] and final.output_text
+    assert final.usage.input_tokens > first.usage.input_tokens  # the call and its result are in the prompt
+
+
+def test_openai_agents_sdk_default_model_runs_a_function_tool_over_the_responses_api(cluster, model):
+    """The agents SDK's default model speaks the Responses API (streamed here). The SDK takes a reply cut by
+    max_output_tokens for a failure, and the tiny model's free text runs to it, so the tool's result is the answer."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner
+
+    get_weather, cities = agents_weather_tool()
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0,
+                                      timeout=120) as client:
+            agent = Agent(
+                name="weather", instructions="Use the tool.", tools=[get_weather], tool_use_behavior="stop_on_first_tool",
+                model=OpenAIResponsesModel(model=model, openai_client=client),
+                model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=40,
+                                             parallel_tool_calls=False, store=False),
+            )
+            streamed = Runner.run_streamed(agent, "What is the weather in Paris?", max_turns=4)
+            async for _ in streamed.stream_events():
+                pass
+            return streamed
+
+    result = asyncio.run(run())
+    assert cities and cities[0] in ("Paris", "Rome") and result.final_output == f"sunny in {cities[0]}"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0]"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"max_output_tokens": 10**6}, "max_output_tokens"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"input": []}, "input"),
+    ({"temperature": -1}, "temperature"),
+])
+def test_responses_api_refuses_what_it_does_not_serve_naming_the_field(cluster, model, body, param):
+    response = HTTP.post(cluster.url + "/v1/responses", json={"model": model, "input": "Hi", **body}, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param

@@ -118,3 +118,79 @@ def test_an_sse_event_is_one_line_whatever_its_text_holds():
     lines = event.decode().splitlines()
     assert lines == [lines[0], ""] and lines[0].startswith("data: ")
     assert json.loads(lines[0][len("data: "):])["choices"][0]["text"] == text
+
+
+def responses_builder(tokenizer, **options):
+    from pdserve_router.responses_api_output import ResponsesBuilder
+    from pdserve_router.responses_api_request import ResponsesRequest
+
+    return ResponsesBuilder("resp_1", 1700000000, "tiny", tokenizer, ResponseOptions(**options),
+                            ResponsesRequest(model="tiny", input="hi", max_output_tokens=7))
+
+
+def stream_events(chunks: bytes) -> list:
+    """Each `event:` / `data:` pair of a Responses stream, validated as the SDK's event union (the names agree)."""
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    adapter, events = TypeAdapter(ResponseStreamEvent), []
+    for block in chunks.decode().split("\n\n")[:-1]:
+        name, data = block.split("\n")
+        event = adapter.validate_python(json.loads(data.removeprefix("data: ")))
+        assert name == f"event: {event.type}"
+        events.append(event)
+    return events
+
+
+def test_responses_api_stream_of_text_and_calls_validates_and_ends_as_the_whole_response(tiny_model_dir):
+    from openai.types.responses import Response
+
+    from pdserve.text.tokenizer import PromptTokenizer
+
+    tokenizer = PromptTokenizer(str(tiny_model_dir))
+    streaming, choice = responses_builder(tokenizer, parse_tool_calls=True), ChoiceOutput(0, [1, 2])
+    chunks = streaming.head()
+    pieces = [CALL_TEXT[i:i + 5] for i in range(0, len(CALL_TEXT), 5)]
+    for position, piece in enumerate(pieces):
+        event = TokenEvent("r", [5], piece, finish_reason="stop" if position == len(pieces) - 1 else None)
+        choice.text += piece
+        choice.token_ids.append(5)
+        choice.finish_reason = event.finish_reason
+        chunks += streaming.chunk(choice, event, position == 0, 0) or b""
+    chunks += streaming.tail([choice], usage([choice], 1))
+    events = stream_events(chunks)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    added = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.added"]
+    done = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.done"]
+    assert added == done == [(0, "message"), (1, "function_call"), (2, "function_call")]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Sure."
+    arguments = {}
+    for e in events:
+        if e.type == "response.function_call_arguments.delta":
+            arguments[e.output_index] = arguments.get(e.output_index, "") + e.delta
+    assert arguments == {1: '{"city":"Paris"}', 2: "{}"}
+    streamed = events[-1].response
+    whole = Response.model_validate(responses_builder(tokenizer, parse_tool_calls=True).whole([choice], usage([choice], 1)))
+    assert streamed.output_text == whole.output_text == "Sure."
+    assert [(i.type, getattr(i, "name", None), getattr(i, "arguments", None)) for i in streamed.output] == [
+        (i.type, getattr(i, "name", None), getattr(i, "arguments", None)) for i in whole.output]
+    assert whole.usage.input_tokens == 2 and whole.usage.output_tokens == len(pieces) and whole.max_output_tokens == 7
+
+
+def test_responses_api_stream_ends_failed_or_incomplete(tiny_model_dir):
+    from pdserve.text.tokenizer import PromptTokenizer
+    from pdserve_router.errors import APIError
+
+    tokenizer = PromptTokenizer(str(tiny_model_dir))
+    choice = ChoiceOutput(0, [1], text="ab", token_ids=[5, 6], logprobs=[-0.1, -0.2], finish_reason="length")
+    cut = responses_builder(tokenizer, logprobs=True)
+    events = stream_events(cut.head() + cut.chunk(choice, TokenEvent("r", [5, 6], "ab", [-0.1, -0.2]), True, 0)
+                           + cut.tail([choice], usage([choice], 1)))
+    assert events[-1].type == "response.incomplete" and events[-1].response.incomplete_details.reason == "max_output_tokens"
+    assert [p.logprob for p in events[-1].response.output[0].content[0].logprobs] == [-0.1, -0.2]
+    failing = responses_builder(tokenizer)
+    chunks = failing.head() + failing.failed(APIError(502, "the worker failed", type="server_error"))
+    events = stream_events(chunks + failing.tail([choice], usage([choice], 1)))
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "response.failed"]
+    assert events[-1].response.error.message == "the worker failed" and events[-1].response.status == "failed"
