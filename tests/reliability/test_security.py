@@ -71,8 +71,12 @@ def v1_routes(model_dir: str) -> list[tuple[str, str]]:
 def call(url: str, method: str, path: str, authorization: str | None, model: str = "x") -> httpx.Response:
     headers = {"Authorization": authorization} if authorization else {}
     path = re.sub(r"\{[^}]*\}", model, path)  # path parameters (/v1/models/{model_id}) name the served model
-    body = {"model": model, "prompt": "hi", "max_tokens": 1} if "chat" not in path else \
-        {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    if "chat" in path:
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    elif "responses" in path:
+        body = {"model": model, "input": "hi", "max_output_tokens": 1}
+    else:
+        body = {"model": model, "prompt": "hi", "max_tokens": 1}
     return HTTP.request(method, url + path, headers=headers, json=body if method == "POST" else None, timeout=10)
 
 
