@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 from pdserve.discovery.endpoints import Discovery, FileDiscovery, KubernetesDiscovery, StaticDiscovery
 from pdserve.http.slow_clients import client_left
 from pdserve.text.generation_defaults import GenerationDefaults
+from pdserve.text.reasoning import ReasoningFormat
 from pdserve.text.tokenizer import PromptTokenizer
 from pdserve.wire.client import WorkerSession
 from pdserve_router import openai_schema as schema
@@ -106,6 +107,7 @@ def build_router_app(config: RouterConfig, discovery: Discovery | None = None) -
             tokenizer, dispatcher, metrics, config.model_name,
             lambda: config.max_model_len or pool.max_model_len(), config.max_n, config.max_tokens_limit, config.retry_after_s,
             text_workers, config.max_prompt_chars, GenerationDefaults.from_model_dir(config.model_dir),
+            ReasoningFormat.for_model(tokenizer.tokenizer, tokenizer.chat_template) if config.separate_reasoning else None,
         )
         pool.start()
         try:

@@ -48,6 +48,9 @@ class RouterConfig:
                                                         "the decode rank's steps (0: none)")
     prefill_fallback: bool = setting(True, "when no prefill rank can take a request (none routable, or each one "
                                            "tried), its decode rank prefills it rather than the request failing")
+    separate_reasoning: bool = setting(True, "a thinking model's reasoning (DeepSeek-R1, V3.1 thinking: <think>...</think>) "
+                                             "comes back apart from its answer, as reasoning_content; off: the text "
+                                             "as generated")
     api_keys: frozenset[str] = field(default_factory=frozenset)  # empty: no authentication (--api-keys-file)
     # Limits: what a request may ask for before it is refused with a 4xx.
     max_body_bytes: int = setting(4 * 1024 * 1024, "larger request bodies get a 413")

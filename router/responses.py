@@ -7,6 +7,7 @@ from typing import Any
 
 import msgspec
 
+from pdserve.text.reasoning import ReasoningParser, split_reasoning
 from pdserve.text.tokenizer import PromptTokenizer
 from pdserve.text.tool_calls import ToolCallDelta, ToolCallParser
 from pdserve.wire.protocol import TokenEvent
@@ -25,6 +26,7 @@ class ResponseOptions:
     echo_texts: list[str] | None = None  # completions with echo: per prompt, the text put before the output
     n: int = 1  # choices per prompt
     include_usage: bool = False  # streams: a last chunk with the usage (stream_options.include_usage)
+    reasoning_opened: bool | None = None  # None: reasoning is not separated; else whether the prompt opened it
 
 
 @dataclass
@@ -42,6 +44,7 @@ class ChoiceOutput:
     cached_tokens: int = 0
     error: str | None = None
     tool_parser: ToolCallParser | None = None  # streaming: the parser this choice's chunks go through
+    reasoning_parser: ReasoningParser | None = None  # streaming: the same, for the reasoning
     tool_call_ids: list[str] = field(default_factory=list)
 
 
@@ -119,11 +122,16 @@ class ResponseBuilder:
         for choice in choices:
             logprobs = self._logprobs(choice.token_ids, choice.logprobs, choice.top_token_ids, choice.top_logprobs)
             if self.kind == "chat":
-                message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+                text, reasoning = choice.text, None
+                if self.options.reasoning_opened is not None:
+                    reasoning, text = split_reasoning(text, self.options.reasoning_opened)
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if reasoning is not None:
+                    message["reasoning_content"] = reasoning or None
                 finish_reason = choice.finish_reason
                 if self.options.parse_tool_calls:
                     parser = ToolCallParser()
-                    content, deltas = parser.feed(choice.text)
+                    content, deltas = parser.feed(text)
                     tail, more = parser.finish()
                     calls = self._calls(choice, deltas + more)
                     message["content"] = (content + tail) or (None if calls else "")
@@ -169,16 +177,16 @@ class ResponseBuilder:
             delta: dict[str, Any] = {}
             if first:
                 delta["role"] = "assistant"
-            content, calls = event.text, []
-            if self.options.parse_tool_calls:
-                content, calls = self.stream_tool_calls(choice, event)
-                if choice.tool_parser is not None and choice.tool_parser.calls and finish_reason == "stop":
-                    finish_reason = "tool_calls"
-            if content or not calls:
+            reasoning, content, calls = self.stream_parts(choice, event)
+            if choice.tool_parser is not None and choice.tool_parser.calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if content or not (calls or reasoning):
                 delta["content"] = content
             if calls:
                 delta["tool_calls"] = calls
-            if not (first or content or calls or finish_reason or event.token_ids):
+            if not (first or reasoning or content or calls or finish_reason or event.token_ids):
                 return None
             item: dict[str, Any] = {"index": choice.index, "delta": delta, "logprobs": logprobs,
                                     "finish_reason": finish_reason}
@@ -191,13 +199,28 @@ class ResponseBuilder:
                 item["prompt_token_ids"] = choice.prompt_token_ids
         return sse(self._envelope(self._chunk_object(), [item]))
 
-    def stream_tool_calls(self, choice: ChoiceOutput, event: TokenEvent) -> tuple[str, list[dict[str, Any]]]:
-        """An event's text split into content and chat tool-call deltas (each with its call's index; id, type and
-        name with its first delta), as far as the choice's parser has seen."""
+    def stream_parts(self, choice: ChoiceOutput, event: TokenEvent) -> tuple[str, str, list[dict[str, Any]]]:
+        """An event's text split into reasoning, content and chat tool-call deltas (each with its call's index; id,
+        type and name with its first delta), as far as the choice's parsers have seen."""
+        reasoning, content = "", event.text
+        finished = event.finish_reason is not None
+        if self.options.reasoning_opened is not None:
+            if choice.reasoning_parser is None:
+                choice.reasoning_parser = ReasoningParser(self.options.reasoning_opened)
+            reasoning, content = choice.reasoning_parser.feed(event.text)
+            if finished:
+                more_reasoning, more_content = choice.reasoning_parser.finish()
+                reasoning, content = reasoning + more_reasoning, content + more_content
+        if not self.options.parse_tool_calls:
+            return reasoning, content, []
+        content, calls = self._stream_tool_calls(choice, content, finished)
+        return reasoning, content, calls
+
+    def _stream_tool_calls(self, choice: ChoiceOutput, text: str, finished: bool) -> tuple[str, list[dict[str, Any]]]:
         if choice.tool_parser is None:
             choice.tool_parser = ToolCallParser()
-        content, deltas = choice.tool_parser.feed(event.text)
-        if event.finish_reason is not None:
+        content, deltas = choice.tool_parser.feed(text)
+        if finished:
             tail, more = choice.tool_parser.finish()
             content, deltas = content + tail, deltas + more
         limit = self.options.max_tool_calls

@@ -39,6 +39,11 @@ def _message_item(text: str, logprobs: list[dict[str, Any]], status: str) -> dic
     return {"type": "message", "id": _item_id("msg"), "status": status, "role": "assistant", "content": [part]}
 
 
+def _reasoning_item(text: str, status: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": _item_id("rs"), "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
 def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
     return {"type": "function_call", "id": _item_id("fc"), "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}
@@ -93,7 +98,7 @@ class ResponsesBuilder:
         chat_choice = self._chat.whole(choices, usage_body)["choices"][0]
         message, status = chat_choice["message"], self._status(choices[0])
         calls = message.get("tool_calls", [])
-        items = []
+        items = [_reasoning_item(message["reasoning_content"], status)] if message.get("reasoning_content") else []
         if message["content"] or not calls:
             logprobs = chat_choice["logprobs"]["content"] if chat_choice["logprobs"] else []
             items.append(_message_item(message["content"] or "", logprobs, status))
@@ -111,9 +116,15 @@ class ResponsesBuilder:
         return self._event("response.created", response=opening) + self._event("response.in_progress", response=opening)
 
     def chunk(self, choice: ChoiceOutput, event: TokenEvent, first: bool, text_offset: int) -> bytes | None:
-        """The events for one worker event: text deltas of the open message, and function calls as they appear."""
-        content, calls = self._chat.stream_tool_calls(choice, event) if self.options.parse_tool_calls else (event.text, [])
-        events = []
+        """The events for one worker event: reasoning and text deltas of the open item of their type, and function
+        calls as they appear."""
+        reasoning, content, calls = self._chat.stream_parts(choice, event)
+        events: list[bytes] = []
+        if reasoning:
+            item = self._open_reasoning(events)
+            item["content"][0]["text"] += reasoning
+            events.append(self._event("response.reasoning_text.delta", item_id=item["id"],
+                                      output_index=len(self._items) - 1, content_index=0, delta=reasoning))
         if content:
             logprobs = []
             if self.options.logprobs:
@@ -155,8 +166,16 @@ class ResponsesBuilder:
 
     def _add(self, events: list[bytes], item: dict[str, Any]) -> None:
         self._items.append(item)
-        shown = {**item, "content": []} if item["type"] == "message" else item
+        shown = {**item, "content": []} if item["type"] in ("message", "reasoning") else item
         events.append(self._event("response.output_item.added", output_index=len(self._items) - 1, item=shown))
+
+    def _open_reasoning(self, events: list[bytes]) -> dict[str, Any]:
+        if self._open is not None and self._open["type"] == "reasoning":
+            return self._open
+        self._close_open(events, "completed")
+        self._open = _reasoning_item("", "in_progress")
+        self._add(events, self._open)
+        return self._open
 
     def _open_message(self, events: list[bytes]) -> dict[str, Any]:
         if self._open is not None and self._open["type"] == "message":
@@ -174,7 +193,11 @@ class ResponsesBuilder:
         if item is None:
             return
         index = self._items.index(item)
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            item["status"] = status
+            events.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                      content_index=0, text=item["content"][0]["text"]))
+        elif item["type"] == "message":
             item["status"] = status
             part = item["content"][0]
             events.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,

@@ -150,6 +150,8 @@ def messages_of(request: ResponsesRequest) -> list[schema.ChatMessage]:
                 last.tool_calls = [*(last.tool_calls or []), call]
             else:
                 messages.append(schema.ChatMessage(role="assistant", content=None, tool_calls=[call]))
+        elif kind == "reasoning":
+            continue  # a past turn's reasoning: not sent back to the model, as DeepSeek's templates drop it too
         elif kind == "function_call_output":
             output = item.get("output")
             content = output if isinstance(output, str) else _text_of(output, f"input[{index}].output")
@@ -157,7 +159,8 @@ def messages_of(request: ResponsesRequest) -> list[schema.ChatMessage]:
                                                tool_call_id=_text_field(item, "call_id", index)))
         else:
             raise bad_request(f"input items of type `{kind}` are not served (only messages, function calls and their "
-                              "outputs)", param=f"input[{index}].type", code="unsupported_parameter")
+                              "outputs, and reasoning, which is dropped)", param=f"input[{index}].type",
+                              code="unsupported_parameter")
     return messages
 
 

@@ -16,6 +16,7 @@ from starlette.responses import Response, StreamingResponse
 
 from pdserve.text.generation_defaults import GenerationDefaults
 from pdserve.text.grammars import FREE_TEXT_LARK, GrammarError, check_grammar
+from pdserve.text.reasoning import ReasoningFormat
 from pdserve.text.tokenizer import PromptError, PromptTokenizer
 from pdserve.text.tool_calls import DeepSeekToolCalls, ToolSpec
 from pdserve.wire.protocol import TokenEvent, token_gap
@@ -77,7 +78,8 @@ class ToolPlan:
 class Serving:
     def __init__(self, tokenizer: PromptTokenizer, dispatcher: Dispatcher, metrics: RouterMetrics, model_name: str,
                  max_model_len: Callable[[], int | None], max_n: int, max_tokens_limit: int, retry_after_s: int,
-                 text_workers: TextWorkers, max_prompt_chars: int, defaults: GenerationDefaults) -> None:
+                 text_workers: TextWorkers, max_prompt_chars: int, defaults: GenerationDefaults,
+                 reasoning: ReasoningFormat | None) -> None:
         self.tokenizer = tokenizer
         self.dispatcher = dispatcher
         self.metrics = metrics
@@ -90,6 +92,7 @@ class Serving:
         self._max_prompt_chars = max_prompt_chars
         self._defaults = defaults
         self._tool_format = DeepSeekToolCalls.for_tokenizer(tokenizer.tokenizer)
+        self._reasoning = reasoning
         # Response ids: a random prefix per router process and a counter, unique across the routers sharing workers
         # (attempt ids sent to them derive from it) without a uuid4's system call per request.
         self._id_prefix = secrets.token_hex(8)
@@ -182,8 +185,14 @@ class Serving:
 
         # A grammar compiles on a thread whatever the prompt's size: that can take milliseconds.
         prompt = await self._text.run(chars if tools.grammar is None else math.inf, tokenize)
-        options = self._options(request, parse_tool_calls=tools.parse_tool_calls, max_tool_calls=tools.max_tool_calls)
-        return RequestPlan(self._plan_choices(request, [prompt], tools.grammar), options)
+        grammar, reasoning_opened = tools.grammar, None
+        if self._reasoning is not None:
+            reasoning_opened = self._reasoning.opened_by(prompt)
+            if reasoning_opened and grammar is not None:  # the model thinks first, then answers as constrained
+                grammar = self._reasoning.after_reasoning(grammar)
+        options = self._options(request, parse_tool_calls=tools.parse_tool_calls, max_tool_calls=tools.max_tool_calls,
+                                reasoning_opened=reasoning_opened)
+        return RequestPlan(self._plan_choices(request, [prompt], grammar), options)
 
     def _tool_plan(self, request: schema.ChatCompletionRequest) -> ToolPlan:
         response_grammar = schema.response_format_grammar(request)

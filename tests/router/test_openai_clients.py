@@ -21,6 +21,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.cluster.inprocess import InProcessCluster
 from pdserve.cluster.layout import ClusterConfig
 from pdserve.text.grammars import json_schema_source
+from pdserve.text.tokenizer import PromptTokenizer
 from pdserve.wire.sampling import Grammar
 
 WEATHER_TOOL = {"type": "function", "function": {
@@ -375,3 +376,59 @@ def test_responses_api_refuses_what_it_does_not_serve_naming_the_field(cluster, 
     response = HTTP.post(cluster.url + "/v1/responses", json={"model": model, "input": "Hi", **body}, timeout=30)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+# --- thinking (DeepSeek-R1 / V3.1 format) ----------------------------------------------------------------------------
+
+THINK = {"chat_template_kwargs": {"thinking": True}}
+
+
+def test_a_thinking_prompt_returns_the_reasoning_apart_whole_and_streamed(client, model):
+    """The template opens <think> after the assistant tag; the tiny model never closes it, so all its text is
+    reasoning, exactly the raw text a completion of the same prompt gives."""
+    kwargs = dict(model=model, messages=[{"role": "user", "content": "Is 2 < 3?"}], temperature=0, max_tokens=10)
+    whole = client.chat.completions.create(**kwargs, extra_body={**THINK, "ignore_eos": True, "return_token_ids": True})
+    message = whole.choices[0].message
+    prompt = whole.choices[0].model_extra["prompt_token_ids"]
+    raw = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0,
+                                    extra_body={"ignore_eos": True}).choices[0].text
+    assert message.model_extra["reasoning_content"] == raw and not message.content
+    streamed = [chunk.choices[0].delta for chunk in client.chat.completions.create(
+        **kwargs, stream=True, extra_body={**THINK, "ignore_eos": True}) if chunk.choices]
+    assert "".join(d.model_extra.get("reasoning_content") or "" for d in streamed) == raw
+    assert not "".join(d.content or "" for d in streamed)
+    plain = client.chat.completions.create(**kwargs, extra_body={"ignore_eos": True}).choices[0].message
+    assert plain.content and plain.model_extra.get("reasoning_content") is None  # not asked to think
+
+
+def test_a_thinking_prompt_answers_in_json_after_its_reasoning(client, model, tiny_v3_deepseek):
+    """The grammar allows free reasoning, then </think>, then the JSON: a bias on </think> ends the reasoning at
+    once, and the content is the schema's JSON (a grammar from the first token would have made the reasoning JSON)."""
+    end_id = PromptTokenizer(tiny_v3_deepseek).tokenizer.token_to_id("</think>")
+    schema = {**Weather.model_json_schema(), "additionalProperties": False}
+    response = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": QUESTIONS[0]}], temperature=0, max_tokens=100,
+        response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": schema}},
+        logit_bias={str(end_id): 100}, extra_body=THINK)
+    message = response.choices[0].message
+    assert message.model_extra["reasoning_content"] is None and response.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(message.content), schema)
+
+
+def test_responses_api_returns_a_reasoning_item_before_the_message(client, model):
+    response = client.responses.create(model=model, input="Is 2 < 3?", temperature=0, max_output_tokens=8,
+                                       extra_body={**THINK, "ignore_eos": True})
+    assert [item.type for item in response.output] == ["reasoning", "message"]
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Is 2 < 3?"}],
+                                          temperature=0, max_tokens=8, extra_body={**THINK, "ignore_eos": True})
+    assert response.output[0].content[0].text == chat.choices[0].message.model_extra["reasoning_content"]
+    events = list(client.responses.create(model=model, input="Is 2 < 3?", temperature=0, max_output_tokens=8,
+                                          stream=True, extra_body={**THINK, "ignore_eos": True}))
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert reasoning == response.output[0].content[0].text
+    # The reasoning item goes back as input (the agents SDK sends it) and is dropped, as the template drops it.
+    again = client.responses.create(model=model, temperature=0, max_output_tokens=8, extra_body={"ignore_eos": True},
+                                    input=[{"role": "user", "content": "Is 2 < 3?"},
+                                           response.output[0].model_dump(exclude_none=True),
+                                           {"role": "user", "content": "Sure?"}])
+    assert again.status == "incomplete" and again.output_text

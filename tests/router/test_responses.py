@@ -194,3 +194,53 @@ def test_responses_api_stream_ends_failed_or_incomplete(tiny_model_dir):
     events = stream_events(chunks + failing.tail([choice], usage([choice], 1)))
     assert [e.type for e in events] == ["response.created", "response.in_progress", "response.failed"]
     assert events[-1].response.error.message == "the worker failed" and events[-1].response.status == "failed"
+
+
+THINKING = "<think>Is it 2? Yes.</think>\n\nIt is 2.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+
+
+def test_reasoning_comes_apart_from_content_and_calls_whole_and_streamed(tiny_model_dir):
+    from pdserve.text.tokenizer import PromptTokenizer
+
+    chat = builder(PromptTokenizer(str(tiny_model_dir)), "chat", parse_tool_calls=True, reasoning_opened=False)
+    choice = ChoiceOutput(0, [1], text=THINKING, token_ids=[5], finish_reason="stop")
+    message = chat.whole([choice], usage([choice], 1))["choices"][0]["message"]
+    assert message["reasoning_content"] == "Is it 2? Yes." and message["content"] == "\n\nIt is 2."
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["f"]
+    streamed, reasoning, content, names = ChoiceOutput(0, [1]), "", "", []
+    pieces = [THINKING[i:i + 3] for i in range(0, len(THINKING), 3)]
+    for position, piece in enumerate(pieces):
+        event = TokenEvent("r", [5], piece, finish_reason="stop" if position == len(pieces) - 1 else None)
+        chunk = chat.chunk(streamed, event, position == 0, 0)
+        if chunk is not None:
+            delta = json.loads(chunk[6:])["choices"][0]["delta"]
+            reasoning += delta.get("reasoning_content") or ""
+            content += delta.get("content") or ""
+            names += [c["function"]["name"] for c in delta.get("tool_calls", []) if "name" in c["function"]]
+    assert (reasoning, content, names) == ("Is it 2? Yes.", "\n\nIt is 2.", ["f"])
+    plain = builder(PromptTokenizer(str(tiny_model_dir)), "chat")  # a model that does not think: text untouched
+    assert "reasoning_content" not in plain.whole([choice], usage([choice], 1))["choices"][0]["message"]
+
+
+def test_responses_api_reasoning_item_comes_first_whole_and_streamed(tiny_model_dir):
+    from openai.types.responses import Response
+
+    from pdserve.text.tokenizer import PromptTokenizer
+
+    tokenizer = PromptTokenizer(str(tiny_model_dir))
+    text = "Is it 2? Yes.</think>It is 2."
+    choice = ChoiceOutput(0, [1], text=text, token_ids=[5, 6], finish_reason="stop")
+    whole = Response.model_validate(responses_builder(tokenizer, reasoning_opened=True).whole([choice], usage([choice], 1)))
+    assert [item.type for item in whole.output] == ["reasoning", "message"]
+    assert whole.output[0].content[0].text == "Is it 2? Yes." and whole.output_text == "It is 2."
+    streaming = responses_builder(tokenizer, reasoning_opened=True)
+    chunks = streaming.head()
+    for position in range(0, len(text), 4):
+        last = position + 4 >= len(text)
+        chunks += streaming.chunk(choice, TokenEvent("r", [5], text[position:position + 4],
+                                                     finish_reason="stop" if last else None), False, 0) or b""
+    events = stream_events(chunks + streaming.tail([choice], usage([choice], 1)))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "Is it 2? Yes."
+    assert [e.text for e in events if e.type == "response.reasoning_text.done"] == ["Is it 2? Yes."]
+    final = events[-1].response
+    assert [item.type for item in final.output] == ["reasoning", "message"] and final.output_text == "It is 2."

@@ -1,0 +1,105 @@
+"""DeepSeek's thinking format (R1, and V3.1's thinking mode): the model reasons between `<think>` and `</think>`
+before it answers. The router returns that reasoning apart from the answer (`reasoning_content`, as DeepSeek's API
+does), and a constrained answer (JSON, tool calls) starts after it.
+
+The reasoning is open from the first output token when the rendered prompt ends inside a `<think>` block (R1's newer
+template writes `<think>\\n` after the assistant tag; V3.1's writes `<think>` when asked to think); otherwise it opens
+only if the output starts with `<think>` (R1's first template left that to the model)."""
+
+import json
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+from pdserve.text.grammars import lark_json
+from pdserve.wire.sampling import Grammar
+
+THINK_START = "<think>"
+THINK_END = "</think>"
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    """The thinking tags of one tokenizer, by token id."""
+
+    start_id: int
+    end_id: int
+
+    @classmethod
+    def for_model(cls, tokenizer: Tokenizer, chat_template: str | None) -> "ReasoningFormat | None":
+        """The format when the tokenizer has both tags as tokens and the chat template writes `<think>` (a model
+        trained to think), else None: a model without it answers as before, its text untouched."""
+        start_id, end_id = tokenizer.token_to_id(THINK_START), tokenizer.token_to_id(THINK_END)
+        if start_id is None or end_id is None or not chat_template or THINK_START not in chat_template:
+            return None
+        return cls(start_id, end_id)
+
+    def opened_by(self, prompt_token_ids: list[int]) -> bool:
+        """Whether the prompt ends inside a `<think>` block: its last tag is an opening one."""
+        for token_id in reversed(prompt_token_ids):
+            if token_id == self.end_id:
+                return False
+            if token_id == self.start_id:
+                return True
+        return False
+
+    def after_reasoning(self, grammar: Grammar) -> Grammar:
+        """`grammar` for what follows the reasoning of a prompt that opened it: any text without special tokens,
+        `</think>`, then the constrained answer (a JSON Schema, or a Lark grammar whose start rule is renamed)."""
+        if grammar.kind == "json_schema":
+            answer = f"answer: {lark_json(json.loads(grammar.source))}"
+        else:
+            answer = "\n".join("answer:" + line[len("start:"):] if line.startswith("start:") else line
+                               for line in grammar.source.splitlines())
+        return Grammar("lark", f"start: reasoning <[{self.end_id}]> answer\nreasoning: /(?s:.*)/\n{answer}")
+
+
+class ReasoningParser:
+    """Splits output text into reasoning and content as it arrives. Text that may be the start of a tag is held back
+    until the next piece or `finish` decides it."""
+
+    def __init__(self, opened: bool) -> None:
+        self._state = "reasoning" if opened else "start"  # start -> reasoning -> content, or start -> content
+        self._buffer = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """(reasoning, content) that `text` completes."""
+        self._buffer += text
+        reasoning = ""
+        if self._state == "start":
+            if THINK_START.startswith(self._buffer):
+                return "", ""  # may still become <think>
+            if self._buffer.startswith(THINK_START):
+                self._buffer, self._state = self._buffer[len(THINK_START):], "reasoning"
+            else:
+                self._state = "content"
+        if self._state == "reasoning":
+            end = self._buffer.find(THINK_END)
+            if end < 0:
+                held = _held_tail(self._buffer, THINK_END)
+                reasoning, self._buffer = self._buffer[:len(self._buffer) - held], self._buffer[len(self._buffer) - held:]
+                return reasoning, ""
+            reasoning, self._buffer, self._state = self._buffer[:end], self._buffer[end + len(THINK_END):], "content"
+        content, self._buffer = self._buffer, ""
+        return reasoning, content
+
+    def finish(self) -> tuple[str, str]:
+        """What was held back: reasoning cut off before `</think>` stays reasoning."""
+        rest, self._buffer = self._buffer, ""
+        return (rest, "") if self._state == "reasoning" else ("", rest)
+
+
+def _held_tail(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that is a proper start of `tag`."""
+    for length in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-length:]):
+            return length
+    return 0
+
+
+def split_reasoning(text: str, opened: bool) -> tuple[str, str]:
+    """(reasoning, content) of a whole output."""
+    parser = ReasoningParser(opened)
+    reasoning, content = parser.feed(text)
+    more_reasoning, more_content = parser.finish()
+    return reasoning + more_reasoning, content + more_content
