@@ -282,9 +282,12 @@ class Serving:
         outputs = [ChoiceOutput(plan.index, plan.prompt_token_ids) for plan in plans]
         events = self._merged_events(builder.request_id, plans, arrival_s)
         n = request.n or 1
+        # The body's id as OpenAI's x-request-id (the SDK's `_request_id`); workers' logs name `<id>-<choice>`.
+        headers = {"x-request-id": builder.request_id}
         if request.stream:
             stream = self._stream(builder, outputs, events, n, arrival_s)
-            return ReleasingStreamingResponse(stream, on_done, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return ReleasingStreamingResponse(stream, on_done, media_type="text/event-stream",
+                                              headers={"Cache-Control": "no-cache", **headers})
         try:
             await self._collect_unless_disconnected(outputs, events, http_request, arrival_s)
         finally:
@@ -295,7 +298,8 @@ class Serving:
             self.metrics.count_request("error")
             raise APIError(502, f"the worker failed while generating: {failed.error}", code="worker_error", type="server_error")
         self.metrics.count_request("ok")
-        return Response(msgspec.json.encode(builder.whole(outputs, usage(outputs, n))), media_type="application/json")
+        return Response(msgspec.json.encode(builder.whole(outputs, usage(outputs, n))), media_type="application/json",
+                        headers=headers)
 
     def _observe_lengths(self, outputs: list[ChoiceOutput]) -> None:
         """Each sequence's prompt and generated lengths, however it ended: the work it took is what pools are sized by."""

@@ -290,7 +290,7 @@ def test_responses_api_text_equals_chat_and_streams_the_same_text(client, model)
     assert response.output_text == chat.choices[0].message.content
     assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
     assert response.usage.input_tokens == chat.usage.prompt_tokens and response.usage.output_tokens == 12
-    assert response.id.startswith("resp_") and response.store is False
+    assert response.id.startswith("resp_") and response.store is False and response._request_id == response.id
     # A developer message is a system message, and the input may be items.
     items = client.responses.create(**{**kwargs, "instructions": None, "input": [
         {"role": "developer", "content": "Be brief."}, {"type": "message", "role": "user",
@@ -393,6 +393,7 @@ def test_a_thinking_prompt_returns_the_reasoning_apart_whole_and_streamed(client
     raw = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0,
                                     extra_body={"ignore_eos": True}).choices[0].text
     assert message.model_extra["reasoning_content"] == raw and not message.content
+    assert whole._request_id == whole.id  # OpenAI's x-request-id header
     streamed = [chunk.choices[0].delta for chunk in client.chat.completions.create(
         **kwargs, stream=True, extra_body={**THINK, "ignore_eos": True}) if chunk.choices]
     assert "".join(d.model_extra.get("reasoning_content") or "" for d in streamed) == raw
