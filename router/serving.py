@@ -189,7 +189,7 @@ class Serving:
         if self._reasoning is not None:
             reasoning_opened = self._reasoning.opened_by(prompt)
             if reasoning_opened and grammar is not None:  # the model thinks first, then answers as constrained
-                grammar = self._reasoning.after_reasoning(grammar)
+                grammar = Grammar("lark", self._reasoning.after_reasoning(grammar.kind, grammar.source))
         options = self._options(request, parse_tool_calls=tools.parse_tool_calls, max_tool_calls=tools.max_tool_calls,
                                 reasoning_opened=reasoning_opened)
         return RequestPlan(self._plan_choices(request, [prompt], grammar), options)

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer
 
 from pdserve.text.grammars import lark_json
-from pdserve.wire.sampling import Grammar
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -43,15 +42,16 @@ class ReasoningFormat:
                 return True
         return False
 
-    def after_reasoning(self, grammar: Grammar) -> Grammar:
-        """`grammar` for what follows the reasoning of a prompt that opened it: any text without special tokens,
-        `</think>`, then the constrained answer (a JSON Schema, or a Lark grammar whose start rule is renamed)."""
-        if grammar.kind == "json_schema":
-            answer = f"answer: {lark_json(json.loads(grammar.source))}"
+    def after_reasoning(self, kind: str, source: str) -> str:
+        """A Lark grammar for what follows the reasoning of a prompt that opened it: any text without special tokens,
+        `</think>`, then the constrained answer (`kind` json_schema: a JSON Schema; lark: a grammar whose start rule
+        is renamed)."""
+        if kind == "json_schema":
+            answer = f"answer: {lark_json(json.loads(source))}"
         else:
             answer = "\n".join("answer:" + line[len("start:"):] if line.startswith("start:") else line
-                               for line in grammar.source.splitlines())
-        return Grammar("lark", f"start: reasoning <[{self.end_id}]> answer\nreasoning: /(?s:.*)/\n{answer}")
+                               for line in source.splitlines())
+        return f"start: reasoning <[{self.end_id}]> answer\nreasoning: /(?s:.*)/\n{answer}"
 
 
 class ReasoningParser:

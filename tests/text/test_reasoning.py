@@ -71,10 +71,10 @@ def allowed(model_dir: str, tokenizer: PromptTokenizer, grammar: Grammar, parts:
 def test_a_constrained_answer_comes_after_free_reasoning(deepseek, tiny_v3_deepseek):
     found = ReasoningFormat.for_model(deepseek.tokenizer, deepseek.chat_template)
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
-    json_answer = found.after_reasoning(Grammar("json_schema", json_schema_source(schema)))
+    json_answer = Grammar("lark", found.after_reasoning("json_schema", json_schema_source(schema)))
     tools = DeepSeekToolCalls.for_tokenizer(deepseek.tokenizer)
-    calls = found.after_reasoning(Grammar("lark", tools.grammar([ToolSpec("f", {"type": "object"})], parallel=False)))
-    free = found.after_reasoning(Grammar("lark", FREE_TEXT_LARK))
+    calls = Grammar("lark", found.after_reasoning("lark", tools.grammar([ToolSpec("f", {"type": "object"})], False)))
+    free = Grammar("lark", found.after_reasoning("lark", FREE_TEXT_LARK))
     for grammar in (json_answer, calls, free):
         check_grammar(grammar.kind, grammar.source)
     assert allowed(tiny_v3_deepseek, deepseek, json_answer, ['Think: {"a": no', found.end_id, '{"a":1}'])
