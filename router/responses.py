@@ -9,7 +9,7 @@ import msgspec
 
 from pdserve.text.reasoning import ReasoningParser, split_reasoning
 from pdserve.text.tokenizer import PromptTokenizer
-from pdserve.text.tool_calls import ToolCallDelta, ToolCallParser
+from pdserve.text.tool_calls import CallStyle, ToolCallDelta, ToolCallParser
 from pdserve.wire.protocol import TokenEvent
 from pdserve_router.errors import APIError
 
@@ -21,7 +21,7 @@ class ResponseOptions:
     logprobs: bool = False
     top_logprobs: int = 0
     return_token_ids: bool = False
-    parse_tool_calls: bool = False  # the request offered tools and the model may call them
+    tool_style: CallStyle | None = None  # the request offered tools: how the model writes the calls to parse
     max_tool_calls: int | None = None  # parallel_tool_calls: false -> 1
     echo_texts: list[str] | None = None  # completions with echo: per prompt, the text put before the output
     n: int = 1  # choices per prompt
@@ -129,8 +129,8 @@ class ResponseBuilder:
                 if reasoning is not None:
                     message["reasoning_content"] = reasoning or None
                 finish_reason = choice.finish_reason
-                if self.options.parse_tool_calls:
-                    parser = ToolCallParser()
+                if self.options.tool_style is not None:
+                    parser = ToolCallParser(self.options.tool_style)
                     content, deltas = parser.feed(text)
                     tail, more = parser.finish()
                     calls = self._calls(choice, deltas + more)
@@ -211,14 +211,14 @@ class ResponseBuilder:
             if finished:
                 more_reasoning, more_content = choice.reasoning_parser.finish()
                 reasoning, content = reasoning + more_reasoning, content + more_content
-        if not self.options.parse_tool_calls:
+        if self.options.tool_style is None:
             return reasoning, content, []
         content, calls = self._stream_tool_calls(choice, content, finished)
         return reasoning, content, calls
 
     def _stream_tool_calls(self, choice: ChoiceOutput, text: str, finished: bool) -> tuple[str, list[dict[str, Any]]]:
         if choice.tool_parser is None:
-            choice.tool_parser = ToolCallParser()
+            choice.tool_parser = ToolCallParser(self.options.tool_style)
         content, deltas = choice.tool_parser.feed(text)
         if finished:
             tail, more = choice.tool_parser.finish()

@@ -18,7 +18,7 @@ from pdserve.text.generation_defaults import GenerationDefaults
 from pdserve.text.grammars import FREE_TEXT_LARK, GrammarError, check_grammar
 from pdserve.text.reasoning import ReasoningFormat
 from pdserve.text.tokenizer import PromptError, PromptTokenizer
-from pdserve.text.tool_calls import DeepSeekToolCalls, ToolSpec
+from pdserve.text.tool_calls import CallStyle, DeepSeekToolCalls, ToolSpec
 from pdserve.wire.protocol import TokenEvent, token_gap
 from pdserve.wire.sampling import Grammar, SamplingParams
 from pdserve_router import openai_schema as schema
@@ -91,7 +91,8 @@ class Serving:
         self._text = text_workers
         self._max_prompt_chars = max_prompt_chars
         self._defaults = defaults
-        self._tool_format = DeepSeekToolCalls.for_tokenizer(tokenizer.tokenizer)
+        self._tool_format = DeepSeekToolCalls.for_tokenizer(
+            tokenizer.tokenizer, CallStyle.of_template(lambda messages: tokenizer.render_chat(messages, False)))
         self._reasoning = reasoning
         # Response ids: a random prefix per router process and a counter, unique across the routers sharing workers
         # (attempt ids sent to them derive from it) without a uuid4's system call per request.
@@ -190,7 +191,8 @@ class Serving:
             reasoning_opened = self._reasoning.opened_by(prompt)
             if reasoning_opened and grammar is not None:  # the model thinks first, then answers as constrained
                 grammar = Grammar("lark", self._reasoning.after_reasoning(grammar.kind, grammar.source))
-        options = self._options(request, parse_tool_calls=tools.parse_tool_calls, max_tool_calls=tools.max_tool_calls,
+        tool_style = self._tool_format.style if tools.parse_tool_calls and self._tool_format is not None else None
+        options = self._options(request, tool_style=tool_style, max_tool_calls=tools.max_tool_calls,
                                 reasoning_opened=reasoning_opened)
         return RequestPlan(self._plan_choices(request, [prompt], grammar), options)
 

@@ -1,13 +1,17 @@
-"""DeepSeek-V3's tool-call format: the grammar that makes a model call tools (`tool_choice` required or a named
+"""DeepSeek's tool-call formats: the grammar that makes a model call tools (`tool_choice` required or a named
 function), and the parser that turns its output text, whole or streamed, into content and OpenAI tool calls.
 
-The model writes
+DeepSeek-V3 writes
     <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\nARGUMENTS\\n```<｜tool▁call▁end｜>
     (more calls, one per line)<｜tool▁calls▁end｜>
-after any plain content; the markers are added tokens that detokenization keeps (they are not special)."""
+after any plain content; V3.1 and later write each call as
+    <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS<｜tool▁call▁end｜>
+back to back. Which one a model uses is read from its chat template (`CallStyle.of_template`). The markers are added
+tokens that detokenization keeps (they are not special)."""
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,10 +24,43 @@ CALLS_END = "<｜tool▁calls▁end｜>"
 CALL_BEGIN = "<｜tool▁call▁begin｜>"
 CALL_END = "<｜tool▁call▁end｜>"
 SEPARATOR = "<｜tool▁sep｜>"
-# after CALL_BEGIN: the call's type, the separator, the function name, the opening of the JSON block
+# after CALL_BEGIN: the call's type, the separator, the function name, the opening of the JSON block (V3); or the
+# function name and the separator (V3.1)
 _HEADER = re.compile(r"\s*(?:function)?\s*" + re.escape(SEPARATOR) + r"\s*([^\n]*?)\s*\n\s*```(?:json)?[ \t]*\n")
+_NAME_FIRST_HEADER = re.compile(r"\s*([^\n]*?)\s*" + re.escape(SEPARATOR))
 _CLOSING = re.compile(r"\s*(?:```)?\s*$")  # between the arguments and CALL_END
 _LONGEST_CLOSING_TAIL = 16
+
+
+@dataclass(frozen=True)
+class CallStyle:
+    """How a model writes one call between CALL_BEGIN and CALL_END, and what comes between two calls."""
+
+    name_first: bool  # V3.1: NAME<sep>ARGUMENTS; V3: function<sep>NAME, then the arguments in a ```json block
+    separator: str  # between calls: a newline (V3), nothing (V3.1)
+
+    @classmethod
+    def of_template(cls, render: Callable[[list[dict[str, Any]]], str]) -> "CallStyle":
+        """The style the chat template writes an assistant turn's two calls in (`render`: messages -> text); V3's
+        when the template renders no calls."""
+        calls = [{"id": f"call_{name}", "type": "function", "function": {"name": name, "arguments": "{}"}}
+                 for name in ("probe_a", "probe_b")]
+        try:
+            text = render([{"role": "user", "content": "?"},
+                           {"role": "assistant", "content": None, "tool_calls": calls}])
+        except ValueError:
+            return V3_STYLE
+        first = text.find(CALL_BEGIN)
+        first_end = text.find(CALL_END, first)
+        second = text.find(CALL_BEGIN, first_end)
+        if min(first, first_end, second) < 0:
+            return V3_STYLE
+        header = text[first + len(CALL_BEGIN):first_end]
+        return cls(header.split(SEPARATOR)[0].strip() == "probe_a", text[first_end + len(CALL_END):second])
+
+
+V3_STYLE = CallStyle(name_first=False, separator="\n")
+V3_1_STYLE = CallStyle(name_first=True, separator="")
 
 
 @dataclass(frozen=True)
@@ -42,28 +79,35 @@ class ToolCallDelta:
 
 
 class DeepSeekToolCalls:
-    """The format for one tokenizer (it holds the marker tokens' ids for grammars)."""
+    """The format for one model (it holds the marker tokens' ids for grammars, and the style its template writes)."""
 
-    def __init__(self, marker_ids: dict[str, int]) -> None:
+    def __init__(self, marker_ids: dict[str, int], style: CallStyle = V3_STYLE) -> None:
         self._ids = marker_ids
+        self.style = style
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Tokenizer) -> "DeepSeekToolCalls | None":
+    def for_tokenizer(cls, tokenizer: Tokenizer, style: CallStyle = V3_STYLE) -> "DeepSeekToolCalls | None":
         """The format when the tokenizer has its marker tokens, else None (the model cannot call tools)."""
         ids = {marker: tokenizer.token_to_id(marker) for marker in (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEPARATOR)}
-        return None if None in ids.values() else cls(ids)  # type: ignore[arg-type]
+        return None if None in ids.values() else cls(ids, style)  # type: ignore[arg-type]
 
     def grammar(self, tools: list[ToolSpec], parallel: bool) -> str:
         """A Lark grammar: one tool call (or, if `parallel`, one or more) of these tools, arguments per their schema."""
         token = {marker: f"<[{token_id}]>" for marker, token_id in self._ids.items()}
         rules = []
         for i, tool in enumerate(tools):
-            rules.append(f'fn_{i}: {json.dumps(tool.name + chr(10) + "```json" + chr(10))} args_{i} "\\n```"')
+            if self.style.name_first:
+                rules.append(f"fn_{i}: {json.dumps(tool.name)} {token[SEPARATOR]} args_{i}")
+            else:
+                rules.append(f'fn_{i}: {json.dumps(tool.name + chr(10) + "```json" + chr(10))} args_{i} "\\n```"')
             rules.append(f"args_{i}: {lark_json(tool.parameters)}")
         functions = " | ".join(f"fn_{i}" for i in range(len(tools)))
-        more = ' ("\\n" call)*' if parallel else ""
+        more = ""
+        if parallel:
+            more = f" ({json.dumps(self.style.separator)} call)*" if self.style.separator else " call*"
+        header = "" if self.style.name_first else f'"function" {token[SEPARATOR]} '
         lines = [f"start: {token[CALLS_BEGIN]} call{more} {token[CALLS_END]}",
-                 f'call: {token[CALL_BEGIN]} "function" {token[SEPARATOR]} ({functions}) {token[CALL_END]}', *rules]
+                 f"call: {token[CALL_BEGIN]} {header}({functions}) {token[CALL_END]}", *rules]
         return "\n".join(lines)
 
 
@@ -71,9 +115,10 @@ class ToolCallParser:
     """Splits output text into content and tool-call deltas as it arrives. Text that may be the start of a marker
     (or of the closing of a call's arguments) is held back until the next piece or `finish` decides it."""
 
-    def __init__(self) -> None:
+    def __init__(self, style: CallStyle = V3_STYLE) -> None:
         self._buffer = ""
         self._state = "content"  # content -> between -> header -> arguments -> between ... -> after
+        self._header = _NAME_FIRST_HEADER if style.name_first else _HEADER
         self.calls = 0
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
@@ -107,7 +152,7 @@ class ToolCallParser:
                     continue
                 break
             if self._state == "header":
-                found = _HEADER.match(buffer)
+                found = self._header.match(buffer)
                 if found is None:
                     if final:
                         self._buffer = ""

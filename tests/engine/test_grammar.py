@@ -16,7 +16,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.engine import grammar as grammar_module
 from pdserve.engine.grammar import apply_token_masks
 from pdserve.text.grammars import json_schema_source
-from pdserve.text.tool_calls import DeepSeekToolCalls, ToolCallParser, ToolSpec
+from pdserve.text.tool_calls import V3_1_STYLE, V3_STYLE, DeepSeekToolCalls, ToolCallParser, ToolSpec
 from pdserve.text.tokenizer import PromptTokenizer
 from pdserve.wire.sampling import Grammar
 
@@ -64,18 +64,25 @@ def test_outputs_are_valid_json_for_the_schema_every_time(llm, temperature):
         jsonschema.validate(json.loads(result.text), SCHEMA)
 
 
-def test_required_tool_call_grammar_gives_one_parseable_call(llm, tiny_v3_deepseek):
+@pytest.mark.parametrize(("style", "parallel"), [(V3_STYLE, False), (V3_1_STYLE, False), (V3_1_STYLE, True)])
+def test_required_tool_call_grammar_gives_parseable_calls_in_the_models_style(llm, tiny_v3_deepseek, style, parallel):
     tokenizer = PromptTokenizer(tiny_v3_deepseek)
     tools = [ToolSpec("get_weather", {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
                                       "required": ["city"], "additionalProperties": False}),
              ToolSpec("get_time", {"type": "object", "properties": {}, "additionalProperties": False})]
-    grammar = Grammar("lark", DeepSeekToolCalls.for_tokenizer(tokenizer.tokenizer).grammar(tools, parallel=False))
-    for result in llm.generate(PROMPTS, SamplingParams(max_tokens=60, temperature=0.0, grammar=grammar)):
-        parser = ToolCallParser()
+    grammar = Grammar("lark", DeepSeekToolCalls.for_tokenizer(tokenizer.tokenizer, style).grammar(tools, parallel))
+    sampling = [SamplingParams(max_tokens=80, temperature=1.0, seed=seed, grammar=grammar)
+                for seed in range(len(PROMPTS))]
+    for result in llm.generate(PROMPTS, sampling):
+        parser = ToolCallParser(style)
         content, deltas = parser.feed(result.text)
-        assert result.finish_reason == "stop" and content == "" and parser.calls == 1
-        assert deltas[0].name in ("get_weather", "get_time")
-        json.loads("".join(d.arguments for d in deltas))
+        more_content, more = parser.finish()
+        assert result.finish_reason == "stop" and content + more_content == ""
+        assert parser.calls >= 1 and (parallel or parser.calls == 1)
+        for index in range(parser.calls):
+            mine = [d for d in deltas + more if d.index == index]
+            assert mine[0].name in ("get_weather", "get_time")
+            json.loads("".join(d.arguments for d in mine))
 
 
 def test_a_migrated_stream_continues_the_grammar_after_its_streamed_tokens(llm):

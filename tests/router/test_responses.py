@@ -5,6 +5,7 @@ import json
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from pdserve.text.tool_calls import V3_STYLE
 from pdserve.wire.protocol import TokenEvent
 from pdserve_router.responses import ChoiceOutput, ResponseBuilder, ResponseOptions, sse, usage
 
@@ -76,21 +77,21 @@ def test_tool_calls_are_parsed_out_of_a_whole_chat_response(tiny_model_dir):
     from pdserve.text.tokenizer import PromptTokenizer
 
     choice = ChoiceOutput(0, [1], text=CALL_TEXT, token_ids=[5], finish_reason="stop")
-    chat = builder(PromptTokenizer(str(tiny_model_dir)), "chat", parse_tool_calls=True)
+    chat = builder(PromptTokenizer(str(tiny_model_dir)), "chat", tool_style=V3_STYLE)
     parsed = ChatCompletion.model_validate(chat.whole([choice], usage([choice], 1)))
     message = parsed.choices[0].message
     assert parsed.choices[0].finish_reason == "tool_calls" and message.content == "Sure."
     assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [
         ("get_weather", '{"city":"Paris"}'), ("get_time", "{}")]
     assert len({c.id for c in message.tool_calls}) == 2
-    one = builder(PromptTokenizer(str(tiny_model_dir)), "chat", parse_tool_calls=True, max_tool_calls=1)
+    one = builder(PromptTokenizer(str(tiny_model_dir)), "chat", tool_style=V3_STYLE, max_tool_calls=1)
     assert len(ChatCompletion.model_validate(one.whole([choice], usage([choice], 1))).choices[0].message.tool_calls) == 1
 
 
 def test_streamed_tool_call_deltas_add_up_to_the_whole_calls(tiny_model_dir):
     from pdserve.text.tokenizer import PromptTokenizer
 
-    chat = builder(PromptTokenizer(str(tiny_model_dir)), "chat", parse_tool_calls=True)
+    chat = builder(PromptTokenizer(str(tiny_model_dir)), "chat", tool_style=V3_STYLE)
     choice = ChoiceOutput(0, [1])
     content, calls, finish = "", {}, None
     pieces = [CALL_TEXT[i:i + 5] for i in range(0, len(CALL_TEXT), 5)]
@@ -148,7 +149,7 @@ def test_responses_api_stream_of_text_and_calls_validates_and_ends_as_the_whole_
     from pdserve.text.tokenizer import PromptTokenizer
 
     tokenizer = PromptTokenizer(str(tiny_model_dir))
-    streaming, choice = responses_builder(tokenizer, parse_tool_calls=True), ChoiceOutput(0, [1, 2])
+    streaming, choice = responses_builder(tokenizer, tool_style=V3_STYLE), ChoiceOutput(0, [1, 2])
     chunks = streaming.head()
     pieces = [CALL_TEXT[i:i + 5] for i in range(0, len(CALL_TEXT), 5)]
     for position, piece in enumerate(pieces):
@@ -171,7 +172,8 @@ def test_responses_api_stream_of_text_and_calls_validates_and_ends_as_the_whole_
             arguments[e.output_index] = arguments.get(e.output_index, "") + e.delta
     assert arguments == {1: '{"city":"Paris"}', 2: "{}"}
     streamed = events[-1].response
-    whole = Response.model_validate(responses_builder(tokenizer, parse_tool_calls=True).whole([choice], usage([choice], 1)))
+    whole_body = responses_builder(tokenizer, tool_style=V3_STYLE).whole([choice], usage([choice], 1))
+    whole = Response.model_validate(whole_body)
     assert streamed.output_text == whole.output_text == "Sure."
     assert [(i.type, getattr(i, "name", None), getattr(i, "arguments", None)) for i in streamed.output] == [
         (i.type, getattr(i, "name", None), getattr(i, "arguments", None)) for i in whole.output]
@@ -202,7 +204,7 @@ THINKING = "<think>Is it 2? Yes.</think>\n\nIt is 2.<｜tool▁calls▁begin｜>
 def test_reasoning_comes_apart_from_content_and_calls_whole_and_streamed(tiny_model_dir):
     from pdserve.text.tokenizer import PromptTokenizer
 
-    chat = builder(PromptTokenizer(str(tiny_model_dir)), "chat", parse_tool_calls=True, reasoning_opened=False)
+    chat = builder(PromptTokenizer(str(tiny_model_dir)), "chat", tool_style=V3_STYLE, reasoning_opened=False)
     choice = ChoiceOutput(0, [1], text=THINKING, token_ids=[5], finish_reason="stop")
     message = chat.whole([choice], usage([choice], 1))["choices"][0]["message"]
     assert message["reasoning_content"] == "Is it 2? Yes." and message["content"] == "\n\nIt is 2."

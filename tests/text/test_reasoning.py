@@ -1,12 +1,10 @@
 """DeepSeek's thinking format: reasoning split from the answer whole and in any pieces, the prompt's open block found
 by token id, and a constrained answer's grammar placed after the reasoning."""
 
-from pathlib import Path
-
 import pytest
+from grammar_matching import grammar_takes
 
-from pdserve.engine.grammar import GrammarCompiler
-from pdserve.text.grammars import FREE_TEXT_LARK, GrammarError, check_grammar, json_schema_source
+from pdserve.text.grammars import FREE_TEXT_LARK, check_grammar, json_schema_source
 from pdserve.text.reasoning import ReasoningFormat, ReasoningParser, split_reasoning
 from pdserve.text.tool_calls import DeepSeekToolCalls, ToolSpec
 from pdserve.text.tokenizer import PromptTokenizer
@@ -56,18 +54,6 @@ def test_a_prompt_opens_the_reasoning_when_it_ends_inside_a_think_block(deepseek
     assert not found.opened_by(closed) and found.opened_by(closed + [found.start_id, 5])
 
 
-def allowed(model_dir: str, tokenizer: PromptTokenizer, grammar: Grammar, parts: list) -> bool:
-    """Whether the engine's matcher for `grammar` takes these tokens (texts are encoded, ints are token ids)."""
-    ids = [t for part in parts for t in ([part] if isinstance(part, int) else tokenizer.encode(part, False))]
-    eos = tokenizer.tokenizer.token_to_id(tokenizer.eos_token)
-    compiler = GrammarCompiler(Path(model_dir) / "tokenizer.json", tokenizer.vocab_size, [eos])
-    try:
-        compiler.matcher(grammar, ids)
-    except GrammarError:
-        return False
-    return True
-
-
 def test_a_constrained_answer_comes_after_free_reasoning(deepseek, tiny_v3_deepseek):
     found = ReasoningFormat.for_model(deepseek.tokenizer, deepseek.chat_template)
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
@@ -77,13 +63,13 @@ def test_a_constrained_answer_comes_after_free_reasoning(deepseek, tiny_v3_deeps
     free = Grammar("lark", found.after_reasoning("lark", FREE_TEXT_LARK))
     for grammar in (json_answer, calls, free):
         check_grammar(grammar.kind, grammar.source)
-    assert allowed(tiny_v3_deepseek, deepseek, json_answer, ['Think: {"a": no', found.end_id, '{"a":1}'])
-    assert not allowed(tiny_v3_deepseek, deepseek, json_answer, ["Think", found.end_id, "plain text"])
+    assert grammar_takes(tiny_v3_deepseek, deepseek, json_answer, ['Think: {"a": no', found.end_id, '{"a":1}'])
+    assert not grammar_takes(tiny_v3_deepseek, deepseek, json_answer, ["Think", found.end_id, "plain text"])
     eos = deepseek.tokenizer.token_to_id(deepseek.eos_token)
-    assert allowed(tiny_v3_deepseek, deepseek, json_answer, ["Think", found.end_id, '{"a":1}', eos])
-    assert not allowed(tiny_v3_deepseek, deepseek, json_answer, ['{"a":1}', eos])  # JSON as reasoning is no answer
-    assert allowed(tiny_v3_deepseek, deepseek, calls, ["Hmm", found.end_id, *tools_call_ids(deepseek)])
-    assert not allowed(tiny_v3_deepseek, deepseek, free, ["Think", found.end_id, "fine", found.end_id])
+    assert grammar_takes(tiny_v3_deepseek, deepseek, json_answer, ["Think", found.end_id, '{"a":1}', eos])
+    assert not grammar_takes(tiny_v3_deepseek, deepseek, json_answer, ['{"a":1}', eos])  # JSON as reasoning is no answer
+    assert grammar_takes(tiny_v3_deepseek, deepseek, calls, ["Hmm", found.end_id, *tools_call_ids(deepseek)])
+    assert not grammar_takes(tiny_v3_deepseek, deepseek, free, ["Think", found.end_id, "fine", found.end_id])
 
 
 def tools_call_ids(tokenizer: PromptTokenizer) -> list:
