@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer
 
 from pdserve.text.grammars import lark_json
+from pdserve.text.markers import marker_prefix_len
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -76,7 +77,7 @@ class ReasoningParser:
         if self._state == "reasoning":
             end = self._buffer.find(THINK_END)
             if end < 0:
-                held = _held_tail(self._buffer, THINK_END)
+                held = marker_prefix_len(self._buffer, THINK_END)
                 reasoning, self._buffer = self._buffer[:len(self._buffer) - held], self._buffer[len(self._buffer) - held:]
                 return reasoning, ""
             reasoning, self._buffer, self._state = self._buffer[:end], self._buffer[end + len(THINK_END):], "content"
@@ -87,14 +88,6 @@ class ReasoningParser:
         """What was held back: reasoning cut off before `</think>` stays reasoning."""
         rest, self._buffer = self._buffer, ""
         return (rest, "") if self._state == "reasoning" else ("", rest)
-
-
-def _held_tail(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that is a proper start of `tag`."""
-    for length in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-length:]):
-            return length
-    return 0
 
 
 def split_reasoning(text: str, opened: bool) -> tuple[str, str]:

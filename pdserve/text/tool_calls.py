@@ -18,6 +18,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from pdserve.text.grammars import lark_json
+from pdserve.text.markers import marker_prefix_len
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"
@@ -138,7 +139,7 @@ class ToolCallParser:
                     content += buffer[:at]
                     self._buffer, self._state = buffer[at + len(CALLS_BEGIN):], "between"
                     continue
-                keep = 0 if final else _marker_prefix_len(buffer, CALLS_BEGIN)
+                keep = 0 if final else marker_prefix_len(buffer, CALLS_BEGIN)
                 content += buffer[: len(buffer) - keep]
                 self._buffer = buffer[len(buffer) - keep:]
                 break
@@ -176,14 +177,6 @@ class ToolCallParser:
             self._buffer = ""  # after the calls: the model should have ended; nothing more is content
             break
         return content, _merged(deltas)
-
-
-def _marker_prefix_len(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that `marker` starts with."""
-    for length in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
-    return 0
 
 
 def _closing_tail_len(text: str) -> int:
