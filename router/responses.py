@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from pdserve.text.reasoning import ReasoningParser, split_reasoning
+from pdserve.text.reasoning import ReasoningFormat, ReasoningParser, split_reasoning
 from pdserve.text.tokenizer import PromptTokenizer
 from pdserve.text.tool_calls import CallStyle, ToolCallDelta, ToolCallParser
 from pdserve.wire.protocol import TokenEvent
@@ -26,7 +26,8 @@ class ResponseOptions:
     echo_texts: list[str] | None = None  # completions with echo: per prompt, the text put before the output
     n: int = 1  # choices per prompt
     include_usage: bool = False  # streams: a last chunk with the usage (stream_options.include_usage)
-    reasoning_opened: bool | None = None  # None: reasoning is not separated; else whether the prompt opened it
+    reasoning: ReasoningFormat | None = None  # the model's thinking tags, when its reasoning is returned apart
+    reasoning_opened: bool = False  # ...and whether the prompt opened the reasoning
 
 
 @dataclass
@@ -102,6 +103,15 @@ class ResponseBuilder:
         self.tokenizer = tokenizer
         self.options = options
 
+    def usage(self, choices: list[ChoiceOutput]) -> dict[str, Any]:
+        """The request's usage; with the reasoning returned apart, also how many output tokens were reasoning."""
+        body = usage(choices, self.options.n)
+        if self.options.reasoning is not None and self.kind == "chat":
+            reasoning = sum(self.options.reasoning.reasoning_tokens(c.token_ids, self.options.reasoning_opened)
+                            for c in choices)
+            body["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+        return body
+
     def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model, "choices": choices}
 
@@ -123,7 +133,7 @@ class ResponseBuilder:
             logprobs = self._logprobs(choice.token_ids, choice.logprobs, choice.top_token_ids, choice.top_logprobs)
             if self.kind == "chat":
                 text, reasoning = choice.text, None
-                if self.options.reasoning_opened is not None:
+                if self.options.reasoning is not None:
                     reasoning, text = split_reasoning(text, self.options.reasoning_opened)
                 message: dict[str, Any] = {"role": "assistant", "content": text}
                 if reasoning is not None:
@@ -204,7 +214,7 @@ class ResponseBuilder:
         type and name with its first delta), as far as the choice's parsers have seen."""
         reasoning, content = "", event.text
         finished = event.finish_reason is not None
-        if self.options.reasoning_opened is not None:
+        if self.options.reasoning is not None:
             if choice.reasoning_parser is None:
                 choice.reasoning_parser = ReasoningParser(self.options.reasoning_opened)
             reasoning, content = choice.reasoning_parser.feed(event.text)

@@ -25,7 +25,7 @@ def responses_usage(usage_body: dict[str, Any]) -> dict[str, Any]:
         "input_tokens_details": {"cached_tokens": usage_body["prompt_tokens_details"]["cached_tokens"],
                                  "cache_write_tokens": 0},
         "output_tokens": usage_body["completion_tokens"],
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": usage_body.get("completion_tokens_details", {"reasoning_tokens": 0}),
         "total_tokens": usage_body["total_tokens"],
     }
 
@@ -66,6 +66,9 @@ class ResponsesBuilder:
         self._open: dict[str, Any] | None = None  # the item whose deltas are being streamed
         self._calls: dict[int, dict[str, Any]] = {}  # chat tool call index -> its function_call item
         self._error: APIError | None = None
+
+    def usage(self, choices: list[ChoiceOutput]) -> dict[str, Any]:
+        return self._chat.usage(choices)
 
     def response(self, status: str, items: list[dict[str, Any]], usage_body: dict[str, Any] | None,
                  error: APIError | None = None) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from pdserve_router import openai_schema as schema
 from pdserve_router.dispatch import Dispatcher, no_workers_error
 from pdserve_router.errors import APIError
 from pdserve_router.metrics import RouterMetrics
-from pdserve_router.responses import ChoiceOutput, ResponseBuilder, ResponseOptions, usage
+from pdserve_router.responses import ChoiceOutput, ResponseBuilder, ResponseOptions
 from pdserve_router.responses_api_output import ResponsesBuilder
 from pdserve_router.responses_api_request import ResponsesRequest
 from pdserve_router.text_workers import TextWorkers
@@ -186,14 +186,14 @@ class Serving:
 
         # A grammar compiles on a thread whatever the prompt's size: that can take milliseconds.
         prompt = await self._text.run(chars if tools.grammar is None else math.inf, tokenize)
-        grammar, reasoning_opened = tools.grammar, None
+        grammar, reasoning_opened = tools.grammar, False
         if self._reasoning is not None:
             reasoning_opened = self._reasoning.opened_by(prompt)
             if reasoning_opened and grammar is not None:  # the model thinks first, then answers as constrained
                 grammar = Grammar("lark", self._reasoning.after_reasoning(grammar.kind, grammar.source))
         tool_style = self._tool_format.style if tools.parse_tool_calls and self._tool_format is not None else None
         options = self._options(request, tool_style=tool_style, max_tool_calls=tools.max_tool_calls,
-                                reasoning_opened=reasoning_opened)
+                                reasoning=self._reasoning, reasoning_opened=reasoning_opened)
         return RequestPlan(self._plan_choices(request, [prompt], grammar), options)
 
     def _tool_plan(self, request: schema.ChatCompletionRequest) -> ToolPlan:
@@ -283,11 +283,10 @@ class Serving:
         plans = plan.choices
         outputs = [ChoiceOutput(plan.index, plan.prompt_token_ids) for plan in plans]
         events = self._merged_events(builder.request_id, plans, arrival_s)
-        n = request.n or 1
         # The body's id as OpenAI's x-request-id (the SDK's `_request_id`); workers' logs name `<id>-<choice>`.
         headers = {"x-request-id": builder.request_id}
         if request.stream:
-            stream = self._stream(builder, outputs, events, n, arrival_s)
+            stream = self._stream(builder, outputs, events, arrival_s)
             return ReleasingStreamingResponse(stream, on_done, media_type="text/event-stream",
                                               headers={"Cache-Control": "no-cache", **headers})
         try:
@@ -300,7 +299,7 @@ class Serving:
             self.metrics.count_request("error")
             raise APIError(502, f"the worker failed while generating: {failed.error}", code="worker_error", type="server_error")
         self.metrics.count_request("ok")
-        return Response(msgspec.json.encode(builder.whole(outputs, usage(outputs, n))), media_type="application/json",
+        return Response(msgspec.json.encode(builder.whole(outputs, builder.usage(outputs))), media_type="application/json",
                         headers=headers)
 
     def _observe_lengths(self, outputs: list[ChoiceOutput]) -> None:
@@ -417,7 +416,7 @@ class Serving:
                 looking.cancel()
         self.metrics.observe_e2e(time.monotonic() - arrival_s)
 
-    async def _stream(self, builder: Builder, outputs: list[ChoiceOutput], events, n: int,
+    async def _stream(self, builder: Builder, outputs: list[ChoiceOutput], events,
                       arrival_s: float) -> AsyncIterator[bytes]:
         last_token_s: dict[int, float] = {}
         status = "client_disconnected"  # unless the loop below reaches an end
@@ -446,7 +445,7 @@ class Serving:
             except APIError as error:
                 status = "error"
                 yield builder.failed(error)
-            yield builder.tail(outputs, usage(outputs, n))
+            yield builder.tail(outputs, builder.usage(outputs))
             self.metrics.observe_e2e(time.monotonic() - arrival_s)
         finally:
             self.metrics.count_request(status)

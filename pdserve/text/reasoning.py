@@ -43,6 +43,12 @@ class ReasoningFormat:
                 return True
         return False
 
+    def reasoning_tokens(self, token_ids: list[int], opened: bool) -> int:
+        """How many of an output's tokens are reasoning, its tags included (what usage reports as reasoning_tokens)."""
+        if not (opened or token_ids[:1] == [self.start_id]):
+            return 0
+        return token_ids.index(self.end_id) + 1 if self.end_id in token_ids else len(token_ids)
+
     def after_reasoning(self, kind: str, source: str) -> str:
         """A Lark grammar for what follows the reasoning of a prompt that opened it: any text without special tokens,
         `</think>`, then the constrained answer (`kind` json_schema: a JSON Schema; lark: a grammar whose start rule

@@ -394,6 +394,7 @@ def test_a_thinking_prompt_returns_the_reasoning_apart_whole_and_streamed(client
                                     extra_body={"ignore_eos": True}).choices[0].text
     assert message.model_extra["reasoning_content"] == raw and not message.content
     assert whole._request_id == whole.id  # OpenAI's x-request-id header
+    assert whole.usage.completion_tokens_details.reasoning_tokens == 10  # never closed: every token is reasoning
     streamed = [chunk.choices[0].delta for chunk in client.chat.completions.create(
         **kwargs, stream=True, extra_body={**THINK, "ignore_eos": True}) if chunk.choices]
     assert "".join(d.model_extra.get("reasoning_content") or "" for d in streamed) == raw
@@ -413,6 +414,7 @@ def test_a_thinking_prompt_answers_in_json_after_its_reasoning(client, model, ti
         logit_bias={str(end_id): 100}, extra_body=THINK)
     message = response.choices[0].message
     assert message.model_extra["reasoning_content"] is None and response.choices[0].finish_reason == "stop"
+    assert response.usage.completion_tokens_details.reasoning_tokens == 1  # </think> alone
     jsonschema.validate(json.loads(message.content), schema)
 
 

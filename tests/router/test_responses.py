@@ -5,6 +5,7 @@ import json
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from pdserve.text.reasoning import ReasoningFormat
 from pdserve.text.tool_calls import V3_STYLE
 from pdserve.wire.protocol import TokenEvent
 from pdserve_router.responses import ChoiceOutput, ResponseBuilder, ResponseOptions, sse, usage
@@ -198,13 +199,14 @@ def test_responses_api_stream_ends_failed_or_incomplete(tiny_model_dir):
     assert events[-1].response.error.message == "the worker failed" and events[-1].response.status == "failed"
 
 
+TAGS = ReasoningFormat(start_id=3, end_id=4)  # the tiny tokenizer has no thinking tags: ids for the usage count
 THINKING = "<think>Is it 2? Yes.</think>\n\nIt is 2.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
 
 
 def test_reasoning_comes_apart_from_content_and_calls_whole_and_streamed(tiny_model_dir):
     from pdserve.text.tokenizer import PromptTokenizer
 
-    chat = builder(PromptTokenizer(str(tiny_model_dir)), "chat", tool_style=V3_STYLE, reasoning_opened=False)
+    chat = builder(PromptTokenizer(str(tiny_model_dir)), "chat", tool_style=V3_STYLE, reasoning=TAGS)
     choice = ChoiceOutput(0, [1], text=THINKING, token_ids=[5], finish_reason="stop")
     message = chat.whole([choice], usage([choice], 1))["choices"][0]["message"]
     assert message["reasoning_content"] == "Is it 2? Yes." and message["content"] == "\n\nIt is 2."
@@ -232,10 +234,10 @@ def test_responses_api_reasoning_item_comes_first_whole_and_streamed(tiny_model_
     tokenizer = PromptTokenizer(str(tiny_model_dir))
     text = "Is it 2? Yes.</think>It is 2."
     choice = ChoiceOutput(0, [1], text=text, token_ids=[5, 6], finish_reason="stop")
-    whole = Response.model_validate(responses_builder(tokenizer, reasoning_opened=True).whole([choice], usage([choice], 1)))
+    whole = Response.model_validate(responses_builder(tokenizer, reasoning=TAGS, reasoning_opened=True).whole([choice], usage([choice], 1)))
     assert [item.type for item in whole.output] == ["reasoning", "message"]
     assert whole.output[0].content[0].text == "Is it 2? Yes." and whole.output_text == "It is 2."
-    streaming = responses_builder(tokenizer, reasoning_opened=True)
+    streaming = responses_builder(tokenizer, reasoning=TAGS, reasoning_opened=True)
     chunks = streaming.head()
     for position in range(0, len(text), 4):
         last = position + 4 >= len(text)
@@ -246,3 +248,21 @@ def test_responses_api_reasoning_item_comes_first_whole_and_streamed(tiny_model_
     assert [e.text for e in events if e.type == "response.reasoning_text.done"] == ["Is it 2? Yes."]
     final = events[-1].response
     assert [item.type for item in final.output] == ["reasoning", "message"] and final.output_text == "It is 2."
+
+
+def test_usage_counts_the_reasoning_tokens_tags_included(tiny_model_dir):
+    from openai.types.responses import Response
+
+    from pdserve.text.tokenizer import PromptTokenizer
+
+    tokenizer = PromptTokenizer(str(tiny_model_dir))
+    thought = ChoiceOutput(0, [1], text="t", token_ids=[3, 7, 8, 4, 9], finish_reason="stop")  # <think> 7 8 </think> 9
+    chat = builder(tokenizer, "chat", reasoning=TAGS)
+    assert chat.usage([thought])["completion_tokens_details"] == {"reasoning_tokens": 4}
+    opened = builder(tokenizer, "chat", reasoning=TAGS, reasoning_opened=True)
+    cut = ChoiceOutput(0, [1], text="t", token_ids=[7, 8, 9], finish_reason="length")  # never closed: all reasoning
+    assert opened.usage([cut, thought])["completion_tokens_details"] == {"reasoning_tokens": 3 + 4}
+    assert "completion_tokens_details" not in builder(tokenizer, "chat").usage([thought])
+    responses = responses_builder(tokenizer, reasoning=TAGS)
+    whole = Response.model_validate(responses.whole([thought], responses.usage([thought])))
+    assert whole.usage.output_tokens_details.reasoning_tokens == 4 and whole.usage.output_tokens == 5
