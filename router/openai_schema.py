@@ -229,9 +229,9 @@ def chat_messages_of(request_messages: list[ChatMessage]) -> list[dict[str, Any]
             content = "".join(part.text for part in content if part.text)
         # OpenAI's developer messages are what system messages were before them; templates know only system
         role = "system" if message.role == "developer" else message.role
-        # An assistant turn of tool calls alone keeps its null content: DeepSeek-V3's and R1's templates write the
-        # calls only when the content is none.
-        kept = None if content is None and message.tool_calls else content or ""
+        # An assistant turn of tool calls alone has null content (also when a client sent ""): DeepSeek-V3's and R1's
+        # templates write the calls only when the content is none.
+        kept = None if not content and message.tool_calls else content or ""
         rendered: dict[str, Any] = {"role": role, "content": kept}
         if message.name is not None:
             rendered["name"] = message.name

@@ -425,8 +425,9 @@ def test_responses_api_returns_a_reasoning_item_before_the_message(client, model
     chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Is 2 < 3?"}],
                                           temperature=0, max_tokens=8, extra_body={**THINK, "ignore_eos": True})
     assert response.output[0].content[0].text == chat.choices[0].message.model_extra["reasoning_content"]
-    events = list(client.responses.create(model=model, input="Is 2 < 3?", temperature=0, max_output_tokens=8,
-                                          stream=True, extra_body={**THINK, "ignore_eos": True}))
+    with client.responses.stream(model=model, input="Is 2 < 3?", temperature=0, max_output_tokens=8,
+                                 extra_body={**THINK, "ignore_eos": True}) as stream:  # the SDK's accumulating reader
+        events = list(stream)
     reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert reasoning == response.output[0].content[0].text
     # The reasoning item goes back as input (the agents SDK sends it) and is dropped, as the template drops it.
