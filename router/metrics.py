@@ -98,6 +98,10 @@ class RouterMetrics:
             "pdserve_router_prefill_fallbacks", "Requests prefilled on their decode rank because no prefill rank could "
             "take them (none routable, or each one tried).", labels, registry=self.registry,
         )
+        self._reasoning_tokens = Counter(
+            "pdserve_router_reasoning_tokens", "Output tokens a thinking model spent reasoning (its <think> block, "
+            "tags included), in requests whose reasoning was returned apart.", labels, registry=self.registry,
+        )
         self._kv_events = Counter(
             "pdserve_router_kv_events", "KV events from prefill ranks applied to the prefix index, by kind.",
             labels + ["kind"], registry=self.registry,
@@ -107,7 +111,7 @@ class RouterMetrics:
         # Children bound once: no label look-up per token, and every series is exposed (at 0) from the start.
         self._bound = {metric: metric.labels(**self._label_values) for metric in (
             self._retries, self._migrations, self._local_prefills, self._prefill_fallbacks,
-            self._healthy_workers)}
+            self._reasoning_tokens, self._healthy_workers)}
         self.observe_ttft = self.time_to_first_token.observe
         self.observe_itl = self.inter_token_latency.observe  # (gap, count)
         self.observe_e2e = self.e2e_request_latency.observe
@@ -120,6 +124,7 @@ class RouterMetrics:
         self.count_migration = self._bound[self._migrations].inc
         self.count_local_prefill = self._bound[self._local_prefills].inc
         self.count_prefill_fallback = self._bound[self._prefill_fallbacks].inc
+        self.count_reasoning_tokens = self._bound[self._reasoning_tokens].inc
         self.set_healthy_workers = self._bound[self._healthy_workers].set
         self._requests_by_status: dict[str, Counter] = {}  # bound on first use: a status may never happen
         self._kv_events_by_kind = {kind: self._kv_events.labels(kind=kind, **self._label_values)

@@ -106,11 +106,17 @@ class ResponseBuilder:
     def usage(self, choices: list[ChoiceOutput]) -> dict[str, Any]:
         """The request's usage; with the reasoning returned apart, also how many output tokens were reasoning."""
         body = usage(choices, self.options.n)
-        if self.options.reasoning is not None and self.kind == "chat":
-            reasoning = sum(self.options.reasoning.reasoning_tokens(c.token_ids, self.options.reasoning_opened)
-                            for c in choices)
+        reasoning = self.reasoning_tokens(choices)
+        if reasoning is not None:
             body["completion_tokens_details"] = {"reasoning_tokens": reasoning}
         return body
+
+    def reasoning_tokens(self, choices: list[ChoiceOutput]) -> int | None:
+        """Output tokens spent reasoning, tags included; None unless the reasoning is returned apart."""
+        reasoning = self.options.reasoning
+        if reasoning is None or self.kind != "chat":
+            return None
+        return sum(reasoning.reasoning_tokens(c.token_ids, self.options.reasoning_opened) for c in choices)
 
     def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model, "choices": choices}

@@ -70,6 +70,9 @@ class ResponsesBuilder:
     def usage(self, choices: list[ChoiceOutput]) -> dict[str, Any]:
         return self._chat.usage(choices)
 
+    def reasoning_tokens(self, choices: list[ChoiceOutput]) -> int | None:
+        return self._chat.reasoning_tokens(choices)
+
     def response(self, status: str, items: list[dict[str, Any]], usage_body: dict[str, Any] | None,
                  error: APIError | None = None) -> dict[str, Any]:
         """The response object; its settings are the request's, as OpenAI's echoes them."""

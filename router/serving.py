@@ -293,7 +293,7 @@ class Serving:
             await self._collect_unless_disconnected(outputs, events, http_request, arrival_s)
         finally:
             on_done()
-            self._observe_lengths(outputs)
+            self._observe_lengths(outputs, builder)
         failed = next((o for o in outputs if o.finish_reason == "error"), None)
         if failed is not None:
             self.metrics.count_request("error")
@@ -302,11 +302,14 @@ class Serving:
         return Response(msgspec.json.encode(builder.whole(outputs, builder.usage(outputs))), media_type="application/json",
                         headers=headers)
 
-    def _observe_lengths(self, outputs: list[ChoiceOutput]) -> None:
-        """Each sequence's prompt and generated lengths, however it ended: the work it took is what pools are sized by."""
+    def _observe_lengths(self, outputs: list[ChoiceOutput], builder: Builder) -> None:
+        """Each sequence's prompt and generated lengths, however it ended: the work it took is what pools are sized by;
+        and a thinking model's reasoning tokens."""
         for output in outputs:
             self.metrics.observe_prompt_tokens(len(output.prompt_token_ids))
             self.metrics.observe_generation_tokens(len(output.token_ids))
+        if reasoning := builder.reasoning_tokens(outputs):
+            self.metrics.count_reasoning_tokens(reasoning)
 
     def _merged_events(self, request_id: str, plans: list[ChoicePlan],
                        arrival_s: float) -> AsyncIterator[list[tuple[int, TokenEvent]]]:
@@ -449,4 +452,4 @@ class Serving:
             self.metrics.observe_e2e(time.monotonic() - arrival_s)
         finally:
             self.metrics.count_request(status)
-            self._observe_lengths(outputs)
+            self._observe_lengths(outputs, builder)

@@ -403,6 +403,23 @@ def test_a_thinking_prompt_returns_the_reasoning_apart_whole_and_streamed(client
     assert plain.content and plain.model_extra.get("reasoning_content") is None  # not asked to think
 
 
+def test_the_router_counts_reasoning_tokens_in_its_metrics(cluster, client, model):
+    def counted() -> float:
+        text = HTTP.get(cluster.url + "/metrics", timeout=10).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("pdserve_router_reasoning_tokens_total{"))
+
+    before = counted()
+    client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Is 2 < 3?"}], temperature=0,
+                                   max_tokens=7, extra_body={**THINK, "ignore_eos": True})
+    for _ in client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Is 2 < 3?"}],
+                                            temperature=0, max_tokens=7, stream=True,
+                                            extra_body={**THINK, "ignore_eos": True}):
+        pass
+    client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=5)
+    assert counted() - before == 14  # two thinking answers (whole, streamed) of 7 tokens, all reasoning; none more
+
+
 def test_a_thinking_prompt_answers_in_json_after_its_reasoning(client, model, tiny_v3_deepseek):
     """The grammar allows free reasoning, then </think>, then the JSON: a bias on </think> ends the reasoning at
     once, and the content is the schema's JSON (a grammar from the first token would have made the reasoning JSON)."""
