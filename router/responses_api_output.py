@@ -105,7 +105,7 @@ class ResponsesBuilder:
         message, status = chat_choice["message"], self._status(choices[0])
         calls = message.get("tool_calls", [])
         items = [_reasoning_item(message["reasoning_content"], status)] if message.get("reasoning_content") else []
-        if message["content"] or not calls:
+        if message["content"] or not (calls or items):  # as a stream: an empty message only when nothing else came
             logprobs = chat_choice["logprobs"]["content"] if chat_choice["logprobs"] else []
             items.append(_message_item(message["content"] or "", logprobs, status))
         items += [_call_item(call["id"], call["function"]["name"], call["function"]["arguments"], "completed")

@@ -435,10 +435,11 @@ def test_a_thinking_prompt_answers_in_json_after_its_reasoning(client, model, ti
     jsonschema.validate(json.loads(message.content), schema)
 
 
-def test_responses_api_returns_a_reasoning_item_before_the_message(client, model):
+def test_responses_api_returns_the_reasoning_as_an_item_whole_and_streamed(client, model):
+    """Cut by max_output_tokens while reasoning, the output is the reasoning item alone, as OpenAI's is."""
     response = client.responses.create(model=model, input="Is 2 < 3?", temperature=0, max_output_tokens=8,
                                        extra_body={**THINK, "ignore_eos": True})
-    assert [item.type for item in response.output] == ["reasoning", "message"]
+    assert [item.type for item in response.output] == ["reasoning"] and response.output_text == ""
     chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Is 2 < 3?"}],
                                           temperature=0, max_tokens=8, extra_body={**THINK, "ignore_eos": True})
     assert response.output[0].content[0].text == chat.choices[0].message.model_extra["reasoning_content"]
@@ -447,6 +448,7 @@ def test_responses_api_returns_a_reasoning_item_before_the_message(client, model
         events = list(stream)
     reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert reasoning == response.output[0].content[0].text
+    assert [item.type for item in events[-1].response.output] == ["reasoning"]  # the stream's items are the same
     # The reasoning item goes back as input (the agents SDK sends it) and is dropped, as the template drops it.
     again = client.responses.create(model=model, temperature=0, max_output_tokens=8, extra_body={"ignore_eos": True},
                                     input=[{"role": "user", "content": "Is 2 < 3?"},
