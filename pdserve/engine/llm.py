@@ -1,4 +1,5 @@
-"""The offline API: `LLM(model=DIR).generate(prompts, sampling)` runs requests to completion in this process."""
+"""The offline API: `LLM(model=DIR).generate(prompts, sampling)` runs requests to completion in this process;
+`chat(conversations, sampling)` renders each conversation with the model's chat template first."""
 
 import itertools
 from dataclasses import dataclass, field, replace
@@ -69,3 +70,20 @@ class LLM:
                         result.finish_reason = out.finish_reason
                         bar.update(1)
         return list(results.values())
+
+    def chat(
+        self,
+        conversations: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling: SamplingParams | list[SamplingParams] | None = None,
+        progress: bool = False,
+        **template_kwargs: Any,
+    ) -> list[GenerationResult]:
+        """One result per conversation (a list of messages; one conversation alone is taken too), each rendered with
+        the chat template and the generation prompt (`template_kwargs`: e.g. `tools`, or `thinking` for V3.1)."""
+        if self.engine.tokenizer is None or self.engine.tokenizer.chat_template is None:
+            raise InvalidRequestError("chat needs a tokenizer.json and a chat template in the model directory")
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        prompts = [self.engine.tokenizer.encode_chat(messages, **template_kwargs)  # type: ignore[arg-type]
+                   for messages in conversations]
+        return self.generate(sampling=sampling, prompt_token_ids=prompts, progress=progress)

@@ -455,3 +455,21 @@ def test_responses_api_returns_the_reasoning_as_an_item_whole_and_streamed(clien
                                            response.output[0].model_dump(exclude_none=True),
                                            {"role": "user", "content": "Sure?"}])
     assert again.status == "incomplete" and again.output_text
+
+
+def test_offline_chat_renders_as_the_router_does(client, model, tiny_v3_deepseek):
+    """`LLM.chat` renders conversations with the model's template: greedy, it writes what the cluster answers (and
+    with `thinking`, the cluster's reasoning)."""
+    conversations = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}],
+                     [{"role": "user", "content": "Is 2 < 3?"}]]
+    sampling = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm = LLM(tiny_v3_deepseek, progress=False)
+    offline = llm.chat(conversations, sampling)
+    served = [client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=8,
+                                             extra_body={"ignore_eos": True}).choices[0].message.content
+              for messages in conversations]
+    assert [result.text for result in offline] == served
+    thought = llm.chat(conversations[1], sampling, thinking=True)[0]  # one conversation alone
+    answer = client.chat.completions.create(model=model, messages=conversations[1], temperature=0, max_tokens=8,
+                                            extra_body={**THINK, "ignore_eos": True}).choices[0].message
+    assert thought.text == answer.model_extra["reasoning_content"] and thought.text != offline[1].text
