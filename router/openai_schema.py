@@ -21,6 +21,10 @@ MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
+TopK = Annotated[int, Meta(ge=-1, le=2**31 - 1)]  # -1 or 0: off
+RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=2.0)]
+LogitBias = dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]]  # token id (as text) -> bias
+FunctionName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 
 
 class StreamOptions(msgspec.Struct):
@@ -34,7 +38,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     max_tokens: PositiveInt | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None = None  # -1 or 0: off
+    top_k: TopK | None = None
     min_p: MinP | None = None
     seed: Seed | None = None
     stop: str | list[str] | None = None
@@ -46,9 +50,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None  # token id (as text) -> bias
+    logit_bias: LogitBias | None = None
     user: str | None = None  # an end-user id for abuse tracking: accepted, no effect here
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None  # extension, as vLLM's
+    repetition_penalty: RepetitionPenalty | None = None  # extension, as vLLM's
     return_token_ids: bool | None = None  # extension: prompt_token_ids and token_ids on each choice
 
 
@@ -85,7 +89,7 @@ class ChatMessage(msgspec.Struct):
 
 
 class FunctionDefinition(msgspec.Struct, omit_defaults=True):
-    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None  # arguments always follow the schema when a grammar enforces the call

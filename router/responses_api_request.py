@@ -8,10 +8,9 @@ and the sampling extensions of the chat API (seed, top_k, min_p, repetition_pena
 Nothing is stored (the response says `store: false`), so what needs a stored response or conversation is a 400
 naming it, as is every other field and item type that would change the answer and is not served."""
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import msgspec
-from msgspec import Meta
 
 from pdserve_router import openai_schema as schema
 from pdserve_router.errors import APIError, bad_request
@@ -21,7 +20,7 @@ class FunctionTool(msgspec.Struct, kw_only=True):
     """A function tool as the Responses API gives it: flat, not under `function` as chat's."""
 
     type: Literal["function"]
-    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    name: schema.FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -73,16 +72,16 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     context_management: Any = None
     # Extensions, as in the chat API
     seed: schema.Seed | None = None
-    top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None = None
+    top_k: schema.TopK | None = None
     min_p: schema.MinP | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None
+    repetition_penalty: schema.RepetitionPenalty | None = None
     presence_penalty: schema.Penalty | None = None
     frequency_penalty: schema.Penalty | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[schema.NonNegativeInt] | None = None
     ignore_eos: bool | None = None
     min_tokens: schema.NonNegativeInt | None = None
-    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    logit_bias: schema.LogitBias | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
