@@ -35,13 +35,12 @@ class ReasoningFormat:
         return cls(start_id, end_id)
 
     def opened_by(self, prompt_token_ids: list[int]) -> bool:
-        """Whether the prompt ends inside a `<think>` block: its last tag is an opening one."""
-        for token_id in reversed(prompt_token_ids):
-            if token_id == self.end_id:
-                return False
-            if token_id == self.start_id:
-                return True
-        return False
+        """Whether the prompt ends inside a `<think>` block: its last tag is an opening one. (List searches, not a
+        Python loop: a long prompt without tags is scanned on the router's event loop.)"""
+        if self.start_id not in prompt_token_ids:
+            return False
+        last_start = len(prompt_token_ids) - 1 - prompt_token_ids[::-1].index(self.start_id)
+        return self.end_id not in prompt_token_ids[last_start + 1:]
 
     def reasoning_tokens(self, token_ids: list[int], opened: bool) -> int:
         """How many of an output's tokens are reasoning, its tags included (what usage reports as reasoning_tokens)."""
