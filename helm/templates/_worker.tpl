@@ -51,6 +51,9 @@ pdserve.io/pool: {{ .name }}
 {{- if .pool.expertParallel }}
 - --expert-parallel
 {{- end }}
+{{- if .pool.hostKvCacheGiB }}
+- --host-kv-cache-gib={{ .pool.hostKvCacheGiB }}
+{{- end }}
 {{- /* The fit check counted one byte a weight: the FP8 linears must stay FP8 (auto could dequantize them). */}}
 {{- if eq (int .root.Values.model.weightBytes) 1 }}
 - --fp8-weights=keep

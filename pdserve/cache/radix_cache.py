@@ -2,6 +2,8 @@
 
 One node is one full page of `page_size` tokens; a node's children are keyed by their page's token tuple. The tree
 holds one allocator reference per node, so a page whose count is above 1 is also held by a request ("locked").
+With a host tier, evicted pages move there and come back when a prompt continues past the tree; the events then say
+what the rank holds in either tier.
 """
 
 import heapq
@@ -9,6 +11,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from pdserve.cache.host_tier import EvictedPage, HostTier
 from pdserve.cache.page_allocator import PageAllocator
 from pdserve.wire.block_hash import ROOT_HASH, page_hash
 from pdserve.wire.kv_events import KVEvent
@@ -39,14 +42,17 @@ class RadixCache:
         allocator: PageAllocator,
         page_size: int,
         on_events: Callable[[list[KVEvent]], None] | None = None,
+        host_tier: HostTier | None = None,
     ):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.allocator = allocator
         self.page_size = page_size
+        self.host_tier = host_tier
         self._on_events = on_events
         self._root = _Node(page_tokens=(), page_id=-1, block_hash=ROOT_HASH, parent=None, last_access=0)
         self._node_by_page_id: dict[int, _Node] = {}
+        self._hashes_in_tree: set[int] = set()  # a page the host tier drops is gone only if the tree lacks it too
         self._clock = 0
         # Min-heap of (last_access, tiebreak, node) for leaves. Entries go stale when a leaf is touched, gains a
         # child or leaves the tree; they are skipped on pop instead of being searched for and removed.
@@ -58,12 +64,32 @@ class RadixCache:
         return len(self._node_by_page_id)
 
     def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
-        """The longest cached run of full pages starting at token 0; increfs each returned page for the caller."""
+        """The longest cached run of full pages starting at token 0; increfs each returned page for the caller.
+        Pages past the tree's that the host tier holds are copied into new device pages and join the tree."""
         path = self._walk(token_ids)
         self._touch(path)
         page_ids = [node.page_id for node in path]
         self.allocator.incref(page_ids)
+        if self.host_tier is not None:
+            page_ids += self._load_from_host(token_ids, path)
         return PrefixMatch(page_ids=page_ids, num_tokens=len(page_ids) * self.page_size)
+
+    def _load_from_host(self, token_ids: Sequence[int], path: list["_Node"]) -> list[int]:
+        """Device pages holding the host tier's continuation of `path` (one reference each for the caller), or none
+        where the pool cannot make room for all of them."""
+        host = self.host_tier
+        parent = path[-1] if path else self._root
+        block_hashes = host.find(parent.block_hash, token_ids, len(path), self.page_size)
+        if not block_hashes:
+            return []
+        with host.pinned(block_hashes):  # making room may evict into the host tier; the path itself is locked
+            page_ids = self.alloc_or_evict(len(block_hashes))
+        if page_ids is None:
+            return []
+        host.load(block_hashes, page_ids)
+        num_tokens = (len(path) + len(page_ids)) * self.page_size
+        self.insert(token_ids[:num_tokens], [node.page_id for node in path] + page_ids)
+        return page_ids
 
     def insert(self, token_ids: Sequence[int], page_ids: Sequence[int]) -> int:
         """Cache the full pages of `token_ids`, held in `page_ids`; returns how many pages the tree adopted.
@@ -99,6 +125,7 @@ class RadixCache:
             )
             parent.children[page_tokens] = node
             self._node_by_page_id[page_id] = node
+            self._hashes_in_tree.add(node.block_hash)
             new_nodes.append(node)
             parent = node
         self._touch(path + new_nodes)
@@ -122,8 +149,8 @@ class RadixCache:
         Cost: O((evicted + locked leaves met) * log(heap size)).
         """
         locked_leaves: dict[int, _Node] = {}
-        removed_hashes: list[int] = []
-        while len(removed_hashes) < num_pages and self._leaf_heap:
+        removed: list[_Node] = []
+        while len(removed) < num_pages and self._leaf_heap:
             last_access, _, node = heapq.heappop(self._leaf_heap)
             if not self._is_current_leaf_entry(node, last_access):
                 continue
@@ -131,15 +158,21 @@ class RadixCache:
                 locked_leaves[id(node)] = node  # in use now; back in the heap so a later evict can retry it
                 continue
             self._remove_leaf(node)
-            removed_hashes.append(node.block_hash)
+            removed.append(node)
             parent = node.parent
             if parent is not self._root and not parent.children:
                 self._push_leaf(parent)
         for node in locked_leaves.values():
             self._push_leaf(node)
-        if removed_hashes:
-            self._emit(KVEvent(kind="removed", block_hashes=removed_hashes))
-        return len(removed_hashes)
+        # The freed ids are reused only after this returns, and the host tier's copy is enqueued before then.
+        gone = [node.block_hash for node in removed] if self.host_tier is None else [
+            block_hash for block_hash in self.host_tier.keep(
+                [EvictedPage(node.block_hash, node.parent.block_hash, node.page_tokens, node.page_id)
+                 for node in removed])
+            if block_hash not in self._hashes_in_tree]
+        if gone:
+            self._emit(KVEvent(kind="removed", block_hashes=gone))
+        return len(removed)
 
     def clear(self) -> None:
         """Drop the tree's reference to every page; pages still held by requests stay allocated to them."""
@@ -147,12 +180,16 @@ class RadixCache:
         for node in self._node_by_page_id.values():
             node.in_tree = False
         self._node_by_page_id.clear()
+        self._hashes_in_tree.clear()
         self._root.children.clear()
         self._leaf_heap.clear()
+        if self.host_tier is not None:
+            self.host_tier.clear()
         self._emit(KVEvent(kind="cleared"))
 
     def stored_blocks(self) -> list[tuple[int, int]]:
-        """(parent_hash, block_hash) of every cached page, parents before children: a full resync for a router."""
+        """(parent_hash, block_hash) of every cached page, the tree's parents before children, then the host tier's
+        pages the tree lacks: a full resync for a router."""
         blocks = []
         frontier = [self._root]
         while frontier:
@@ -160,6 +197,8 @@ class RadixCache:
             for child in node.children.values():
                 blocks.append((node.block_hash, child.block_hash))
                 frontier.append(child)
+        if self.host_tier is not None:
+            blocks += [block for block in self.host_tier.stored_blocks() if block[1] not in self._hashes_in_tree]
         return blocks
 
     def check_integrity(self) -> None:
@@ -192,9 +231,12 @@ class RadixCache:
                 seen_page_ids.add(node.page_id)
                 frontier.append(node)
         _require(
-            len(seen_page_ids) == len(self._node_by_page_id),
-            f"index holds {len(self._node_by_page_id)} pages, tree holds {len(seen_page_ids)}",
+            len(seen_page_ids) == len(self._node_by_page_id) == len(self._hashes_in_tree),
+            f"index holds {len(self._node_by_page_id)} pages and {len(self._hashes_in_tree)} hashes, tree holds "
+            f"{len(seen_page_ids)}",
         )
+        if self.host_tier is not None:
+            self.host_tier.check_integrity()
 
     def _walk(self, token_ids: Sequence[int]) -> list[_Node]:
         path = []
@@ -241,6 +283,7 @@ class RadixCache:
     def _remove_leaf(self, node: _Node) -> None:
         del node.parent.children[node.page_tokens]
         del self._node_by_page_id[node.page_id]
+        self._hashes_in_tree.discard(node.block_hash)
         node.in_tree = False
         self.allocator.decref([node.page_id])
 
@@ -259,6 +302,7 @@ class NullPrefixCache:
     """The prefix cache when prefix caching is off: matches nothing, keeps nothing, emits no events."""
 
     num_cached_pages = 0
+    host_tier = None
 
     def __init__(self, allocator: PageAllocator) -> None:
         self.allocator = allocator

@@ -30,6 +30,10 @@ class EngineConfig:
               "arrive, at some prefill throughput (docs/benchmarks.md, mixed steps)")
     max_model_len: int | None = setting(None, "context length (default: the model's max_position_embeddings)")
     enable_prefix_cache: bool = setting(True, "reuse cached KV pages of shared prompt prefixes", flag="--prefix-cache")
+    host_kv_cache_gib: float = setting(
+        0.0, "host memory per rank for the prefix cache's second tier: pages evicted from the KV pool are copied "
+             "there (pinned, on the step's stream) and copied back when a prompt continues their prefix, instead of "
+             "being recomputed. 0: off")
     attention_backend: Literal["auto", "torch", "flashinfer"] = setting("auto", "attention kernels (auto: flashinfer "
                                                                                 "on GPU where it runs)")
     moe_backend: Literal["auto", "torch", "grouped"] = setting("auto", "expert matmuls (auto: grouped on GPU)")
@@ -91,6 +95,10 @@ class EngineConfig:
             (self.dtype in ("auto", "float32", "bfloat16"), "dtype must be auto, float32 or bfloat16"),
             (self.page_size >= 1, "page_size must be >= 1"),
             (self.num_pages is None or self.num_pages >= 2, "num_pages must be >= 2"),
+            (self.host_kv_cache_gib >= 0, "host_kv_cache_gib must be >= 0"),
+            (not self.host_kv_cache_gib or self.enable_prefix_cache, "host_kv_cache_gib needs the prefix cache"),
+            (not self.host_kv_cache_gib or self.execution == "model",
+             "host_kv_cache_gib needs the model (a simulated engine holds no KV bytes)"),
             (0.0 < self.gpu_memory_fraction <= 1.0, "gpu_memory_fraction must be in (0, 1]"),
             (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
             (self.decode_reserve_tokens >= 0, "decode_reserve_tokens must be >= 0"),

@@ -16,12 +16,14 @@ from pathlib import Path
 
 import torch
 
+from pdserve.cache.host_tier import HostTier
 from pdserve.cache.page_allocator import PageAllocator, pages_for
 from pdserve.cache.radix_cache import NullPrefixCache, RadixCache
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cuda_graphs import decode_graph_config
 from pdserve.engine.device_values import on_device
 from pdserve.engine.expert_rebalance import ExpertRebalancer
+from pdserve.engine.host_kv_pool import HostKVPool
 from pdserve.engine.in_flight import InFlightStep
 from pdserve.engine.logits_processing import LogitsProcessing
 from pdserve.engine.model_runner import ModelRunner
@@ -158,8 +160,12 @@ class Engine:
             described = (f"routed experts [{model.expert_range.first}, +{model.expert_range.count}): "
                          f"{self.expert_weight_bytes} bytes")
         self.allocator = PageAllocator(num_pages)
-        self.prefix_cache = (RadixCache(self.allocator, cfg.page_size, on_kv_events) if cfg.enable_prefix_cache
-                             else NullPrefixCache(self.allocator))
+        host_tier = None
+        if cfg.host_kv_cache_gib:
+            host_pool = HostKVPool(self.runner.kv_cache, cfg.host_kv_cache_gib)
+            host_tier = HostTier(host_pool.num_slots, host_pool.to_host, host_pool.to_device)
+        self.prefix_cache = (RadixCache(self.allocator, cfg.page_size, on_kv_events, host_tier)
+                             if cfg.enable_prefix_cache else NullPrefixCache(self.allocator))
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.page_size, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.mixed_prefill_tokens),
             self.allocator, self.prefix_cache,
@@ -346,6 +352,7 @@ class Engine:
         return self.scheduler.has_work
 
     def stats(self) -> EngineStats:
+        host = self.prefix_cache.host_tier
         return EngineStats(
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
@@ -353,6 +360,9 @@ class Engine:
             free_pages=self.allocator.num_free,
             total_pages=self.allocator.num_pages,
             prefix_cache_pages=self.prefix_cache.num_cached_pages,
+            host_cache_pages=host.num_pages if host else 0,
+            host_cache_offloaded_pages=host.offloaded_pages if host else 0,
+            host_cache_loaded_pages=host.loaded_pages if host else 0,
             prefix_queries_tokens=self._prefix_queries_tokens,
             prefix_hits_tokens=self._prefix_hits_tokens,
             prompt_tokens=self._prompt_tokens,

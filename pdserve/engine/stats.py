@@ -24,4 +24,7 @@ class EngineStats:
     expert_peer_writes: bool = False  # the fixed-capacity exchange writes into the peers' memory (else NCCL)
     # (token, expert) pairs this rank's tokens sent to each routed expert (global ids), summed over layers
     expert_tokens: list[int] = field(default_factory=list)
-    expert_replica_slots_filled: int = 0  # replica slots the instance's rebalances filled with a new expert (all ranks)
+    expert_replica_slots_filled: int = 0
+    host_cache_pages: int = 0  # pages the prefix cache's host tier holds
+    host_cache_offloaded_pages: int = 0  # copied from the KV pool into the host tier, over the rank's life
+    host_cache_loaded_pages: int = 0  # copied back, each a page of prompt not recomputed  # replica slots the instance's rebalances filled with a new expert (all ranks)

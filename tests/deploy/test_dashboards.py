@@ -75,7 +75,7 @@ def test_every_contract_metric_is_shown_on_a_dashboard() -> None:
 
 def test_contract_types_match_prometheus_naming() -> None:
     families = contract_metrics()
-    assert len(families) == 38
+    assert len(families) == 41
     for name, kind in families.items():
         assert kind in ("counter", "gauge", "histogram")
         assert name.endswith("_total") == (kind == "counter"), name

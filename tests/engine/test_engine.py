@@ -65,6 +65,21 @@ def test_preemption_in_a_small_pool_gives_same_tokens_and_frees_every_page(tiny_
     assert engine.allocator.num_free == engine.allocator.num_pages
 
 
+def test_prefixes_evicted_to_the_host_tier_come_back_as_hits_with_the_same_tokens(tiny_v3, reference):
+    prompts, expected = reference
+    llm = LLM(tiny_v3, progress=False, num_pages=16, page_size=16, host_kv_cache_gib=0.25)
+    batched = llm.generate(prompt_token_ids=prompts, sampling=GREEDY)  # preempts: the pool holds one sequence
+    one_at_a_time = [llm.generate(prompt_token_ids=[p], sampling=GREEDY)[0] for p in prompts]
+    host = llm.engine.prefix_cache.host_tier
+    # Each prompt's pages were evicted by the next ones' and now come back from the host instead of recomputed.
+    assert [r.cached_tokens for r in one_at_a_time] == [(len(p) - 1) // 16 * 16 for p in prompts]
+    assert host.loaded_pages >= sum((len(p) - 1) // 16 for p in prompts[1:])
+    assert [r.token_ids for r in batched] == [r.token_ids for r in one_at_a_time] == expected
+    stats = llm.engine.stats()
+    assert (stats.host_cache_loaded_pages, stats.host_cache_pages) == (host.loaded_pages, host.num_pages) != (0, 0)
+    llm.engine.prefix_cache.check_integrity()
+
+
 def test_preemption_happens_in_a_small_pool(tiny_v3):
     llm = LLM(tiny_v3, progress=False, num_pages=16, page_size=16, enable_prefix_cache=False)
     engine = llm.engine
