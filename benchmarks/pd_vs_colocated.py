@@ -41,6 +41,7 @@ SCRAPED = ("pdserve_kv_transfer_bytes_total", "pdserve_kv_transfer_seconds_sum",
            "pdserve_kv_transfer_posting_seconds_total", "pdserve_kv_transfer_queued_seconds_total",
            "pdserve_kv_transfer_post_call_seconds_total",
            "pdserve_router_local_prefills_total",
+           "pdserve_host_kv_cache_offloaded_pages_total", "pdserve_host_kv_cache_loaded_pages_total",
            "pdserve_inter_token_latency_seconds_count")
 # The router's own inter-token histogram, at these bounds: which gaps were already there before the client read them.
 ITL_BOUNDS = ("0.05", "0.1")
@@ -174,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"[{time.monotonic() - started:5.0f} s] {args.deployment} {rate:g} req/s:\n{summary_lines(summary)}"
                       f"\n  KV transfer: {kv_rate_text(kv)}; local prefills: {kv['pdserve_router_local_prefills_total']:.0f}"
                       + f"\n  router-seen ITL: {router_itl_text(moved['router'])}"
+                      + f"\n  host KV tier pages: {kv['pdserve_host_kv_cache_offloaded_pages_total']:.0f} offloaded, "
+                        f"{kv['pdserve_host_kv_cache_loaded_pages_total']:.0f} loaded back"
                       + (f"\n  errors: {point['errors']}" if point["errors"] else ""), flush=True)
                 write_json(out / f"{args.deployment}.json", record)
     finally:

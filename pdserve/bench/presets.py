@@ -8,8 +8,12 @@ PRESETS: dict[str, dict] = {
                   long_prompt_len=LengthRange(8192, 16384)),
     "shared-prefix": dict(prompt_len=LengthRange(128, 512), output_len=LengthRange(128, 512), num_prefix_groups=16,
                           system_prompt_len=2048, turns_per_conversation=3),
+    # Chat or agent sessions re-sending a growing history (6 turns, 512-1k new tokens each): what a prefix cache is
+    # for, once the sessions' histories outgrow a rank's pool (the host tier's case).
+    "multi-turn": dict(prompt_len=LengthRange(512, 1024), output_len=LengthRange(64, 128), turns_per_conversation=6),
     "mixed-cpu": dict(prompt_len=LengthRange(64, 128), output_len=LengthRange(16, 48), long_fraction=0.1,
                       long_prompt_len=LengthRange(1024, 2048)),
+    "multi-turn-cpu": dict(prompt_len=LengthRange(32, 64), output_len=LengthRange(8, 16), turns_per_conversation=6),
     "shared-prefix-cpu": dict(prompt_len=LengthRange(32, 64), output_len=LengthRange(8, 16), num_prefix_groups=8,
                               system_prompt_len=512, turns_per_conversation=2),
 }
