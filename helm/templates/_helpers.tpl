@@ -202,7 +202,8 @@ capabilities:
 {{/*
 Refuses a pool whose ranks cannot hold their weights: every rank holds the replicated parameters and its share of
 the routed experts (all of them without expert parallelism); what is left of the GPU's budget
-(gpuMemoryGiB x gpuMemoryFraction) must keep minKvCacheGiB for the KV cache. Call with (dict "root" $ "name" n "pool" p).
+(gpuMemoryGiB x gpuMemoryFraction) must keep minKvCacheGiB for the KV cache; and a pod's memory limit must hold its
+ranks' host KV tiers. Call with (dict "root" $ "name" n "pool" p).
 */}}
 {{- define "pdserve.fitCheck" -}}
 {{- $v := .root.Values }}
@@ -212,5 +213,18 @@ the routed experts (all of them without expert parallelism); what is left of the
 {{- $budgetGiB := mulf $v.worker.gpuMemoryGiB $v.engine.gpuMemoryFraction }}
 {{- if gt (addf $weightsGiB $v.worker.minKvCacheGiB) $budgetGiB }}
 {{- fail (printf "pools.%s: each rank would hold %.1f GiB of weights (%.2fB replicated + %.2fB routed-expert parameters / %d expert shard(s), %v bytes each), but a GPU gives %.1f GiB (worker.gpuMemoryGiB %v x engine.gpuMemoryFraction %v) and %v GiB must stay for the KV cache; use more ranks with expertParallel: true, larger GPUs, or 1-byte (FP8) weights" .name $weightsGiB $v.model.size.replicatedParamsB $v.model.size.routedExpertParamsB $shards $v.model.weightBytes $budgetGiB $v.worker.gpuMemoryGiB $v.engine.gpuMemoryFraction $v.worker.minKvCacheGiB) }}
+{{- end }}
+{{- /* The host KV tier is pinned host memory of every rank in the pod: a memory limit (Gi or Ti) below it, plus 16 GiB
+for the worker itself (Ray, torch, weight loading), would have the pod OOM-killed once the tier fills. */}}
+{{- if .pool.hostKvCacheGiB }}
+{{- $limit := toString (dig "limits" "memory" "" .pool.resources) }}
+{{- $limitGiB := 0.0 }}
+{{- if hasSuffix "Gi" $limit }}{{ $limitGiB = float64 (trimSuffix "Gi" $limit) }}
+{{- else if hasSuffix "Ti" $limit }}{{ $limitGiB = mulf (float64 (trimSuffix "Ti" $limit)) 1024 }}{{ end }}
+{{- $ranksPerPod := include "pdserve.gpusPerPod" .pool | int }}
+{{- $needGiB := addf (mulf $ranksPerPod .pool.hostKvCacheGiB) 16 }}
+{{- if and $limitGiB (gt $needGiB $limitGiB) }}
+{{- fail (printf "pools.%s: %d rank(s) a pod x hostKvCacheGiB %v + 16 GiB for the worker need %.0f GiB of host memory, but resources.limits.memory is %s; raise the limit or lower hostKvCacheGiB" .name $ranksPerPod .pool.hostKvCacheGiB $needGiB $limit) }}
+{{- end }}
 {{- end }}
 {{- end }}

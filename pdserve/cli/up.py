@@ -1,9 +1,11 @@
 """`pdserve up`: the router plus prefill and decode workers on this machine, until Ctrl-C."""
 
 import argparse
+import shlex
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pdserve.cli.generate import default_model_dir, require_servable
@@ -24,7 +26,37 @@ def add_up_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--ranks-per-worker", type=int, default=1)
     parser.add_argument("--routing", choices=("prefix", "round_robin", "least_load"), default="prefix")
     parser.add_argument("--log-dir", help="where each process writes its log (default: a temp dir)")
+    parser.add_argument("--worker-args", default="", help="more `pdserve worker` flags for every worker, as one "
+                                                          "string, e.g. \"--num-pages 512 --host-kv-cache-gib 1\"")
+    parser.add_argument("--router-args", default="", help="more `pdserve router` flags, as one string")
     parser.set_defaults(func=main_up)
+
+
+# Flags `pdserve up` sets itself for each process: given again, they would break the cluster's wiring.
+WORKER_FLAGS_OWNED = {"--model", "--role", "--ranks", "--peers", "--discovery", "--peers-file", "--host", "--port",
+                      "--ray-address"}
+ROUTER_FLAGS_OWNED = {"--model", "--workers", "--discovery", "--workers-file", "--routing", "--host", "--port"}
+
+
+def checked_flags(option: str, text: str, add_arguments: Callable[[argparse.ArgumentParser], None],
+                  build_config: Callable[[argparse.Namespace], object], owned: set[str],
+                  required: list[str]) -> tuple[str, ...]:
+    """The flags of `text`, parsed and turned into their process's configuration here, so that a bad one is a usage
+    error before anything starts rather than a process that dies at start."""
+    flags = shlex.split(text)
+    if taken := [flag for flag in flags if flag.split("=")[0] in owned]:
+        raise FlagError(f"{option}: {', '.join(taken)} is set by pdserve up (use its own flags)")
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    add_arguments(parser)
+    try:
+        args, unknown = parser.parse_known_args([*required, *flags])
+        if not unknown:
+            build_config(args)
+    except (argparse.ArgumentError, ValueError) as error:
+        raise FlagError(f"{option}: {error}") from None
+    if unknown:
+        raise FlagError(f"{option}: unknown flag(s) {' '.join(unknown)}")
+    return tuple(flags)
 
 
 def main_up(args: argparse.Namespace) -> int:
@@ -34,10 +66,18 @@ def main_up(args: argparse.Namespace) -> int:
         raise FlagError(f"--port: {args.port} is in use on this machine")
     model = args.model or str(default_model_dir())
     require_servable(model)
+    from pdserve.worker.config import add_worker_arguments, worker_config_from_args
+    from pdserve_router.config import add_router_arguments, router_config_from_args
+
+    worker_args = checked_flags("--worker-args", args.worker_args, add_worker_arguments,
+                                lambda parsed: worker_config_from_args(parsed, model), WORKER_FLAGS_OWNED,
+                                ["--role", "prefill"])
+    router_args = checked_flags("--router-args", args.router_args, add_router_arguments, router_config_from_args,
+                                ROUTER_FLAGS_OWNED, ["--model", model, "--workers", "http://127.0.0.1:1"])
     try:
         cfg = ClusterConfig(model=model, port=args.port, num_prefill=args.prefill, num_decode=args.decode,
                             num_both=args.colocated, ranks_per_worker=args.ranks_per_worker, routing=args.routing,
-                            log_dir=args.log_dir)
+                            log_dir=args.log_dir, worker_args=worker_args, router_args=router_args)
     except ValueError as error:
         raise FlagError(str(error)) from None
     started, stop = threading.Event(), threading.Event()

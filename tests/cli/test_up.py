@@ -10,16 +10,18 @@ import time
 from pathlib import Path
 
 import httpx
-from probes import HTTP
+import pytest
+from probes import HTTP, metric_total
 
 from pdserve.http.ports import free_port
 
 
-def start_up(model: str, port: int, log_dir: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+def start_up(model: str, port: int, log_dir: Path, env: dict[str, str] | None = None,
+             extra: tuple[str, ...] = ()) -> subprocess.Popen:
     """`pdserve up` in its own session, output piped (stderr with stdout)."""
     return subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--model", model, "--port", str(port),
-                             "--log-dir", str(log_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env=env)
+                             "--log-dir", str(log_dir), *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, env=env)
 
 
 def read_until_up(up: subprocess.Popen, timeout_s: float) -> str:
@@ -45,7 +47,7 @@ def stop_up(up: subprocess.Popen) -> None:
 
 def test_up_serves_and_ctrl_c_leaves_no_process_behind(tiny_v2, tmp_path):
     port = free_port()
-    up = start_up(tiny_v2, port, tmp_path)
+    up = start_up(tiny_v2, port, tmp_path, extra=("--worker-args", "--num-pages 64 --host-kv-cache-gib 0.05"))
     try:
         output = read_until_up(up, 240)
         assert f"router:  http://127.0.0.1:{port}" in output, output
@@ -58,6 +60,8 @@ def test_up_serves_and_ctrl_c_leaves_no_process_behind(tiny_v2, tmp_path):
         reply = HTTP.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                            json={"model": model, "prompt": "The quick brown fox", "max_tokens": 5})
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 5
+        for url in worker_urls:  # --worker-args reached every worker
+            assert metric_total(url, "pdserve_kv_cache_pages") == 64
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
         for url in [f"http://127.0.0.1:{port}", *worker_urls]:
@@ -68,6 +72,19 @@ def test_up_serves_and_ctrl_c_leaves_no_process_behind(tiny_v2, tmp_path):
                 pass
     finally:
         stop_up(up)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--worker-args", "--bogus 1"), "--worker-args: unknown flag(s) --bogus 1"),
+    (("--worker-args", "--host-kv-cache-gib -1"), "--worker-args: host_kv_cache_gib must be >= 0"),
+    (("--worker-args=--port=9",), "--worker-args: --port=9 is set by pdserve up (use its own flags)"),
+    (("--router-args", "--max-n zero"), "--router-args: argument --max-n: invalid int value: 'zero'"),
+])
+def test_bad_extra_flags_are_one_usage_line_before_anything_starts(tiny_v2, flags, message):
+    up = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", tiny_v2, "--port", str(free_port()), *flags],
+                        capture_output=True, text=True, timeout=60)
+    assert up.returncode == 2 and up.stderr == f"pdserve up: error: {message}\n", up.stderr
+    assert "starting" not in up.stdout
 
 
 def test_a_worker_that_dies_at_start_ends_up_with_one_error_line_and_its_log(tiny_v2, tmp_path, ray_address):

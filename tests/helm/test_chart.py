@@ -113,6 +113,19 @@ def test_ranks_that_do_not_divide_among_nodes_fail_with_a_clear_message() -> Non
         render_objects({"pools": {"decode": {"ranks": 12, "multiNode": {"enabled": True, "nodes": 5}}}})
 
 
+def test_a_host_kv_tier_reaches_the_pools_workers_and_must_fit_the_pods_memory_limit() -> None:
+    objects = render_objects({"pools": {"prefill": {"ranks": 2, "hostKvCacheGiB": 48}}})  # 2 x 48 + 16 <= 128 GiB
+    prefill = _container(named(objects, "StatefulSet", "pdserve-prefill")["spec"]["template"])
+    decode = _container(named(objects, "StatefulSet", "pdserve-decode")["spec"]["template"])
+    assert "--host-kv-cache-gib=48" in prefill["args"]
+    assert not [a for a in decode["args"] if a.startswith("--host-kv-cache-gib")]
+    with pytest.raises(helm.HelmRenderError, match=r"pools.prefill: 2 rank\(s\) a pod x hostKvCacheGiB 64 .* 144 GiB"
+                                                    r".*limits.memory is 128Gi"):
+        render_objects({"pools": {"prefill": {"ranks": 2, "hostKvCacheGiB": 64}}})
+    render_objects({"pools": {"prefill": {"ranks": 2, "hostKvCacheGiB": 64,
+                                          "resources": {"limits": {"memory": "1Ti"}}}}})
+
+
 def test_worker_pods_have_shm_ipc_lock_health_probes_and_a_drain_grace_period() -> None:
     objects = render_objects({"worker": {"terminationGracePeriodSeconds": 300, "preStopSleepSeconds": 7,
                                          "shmSize": "32Gi"}})
