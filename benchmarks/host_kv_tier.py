@@ -10,6 +10,8 @@ own tokens (kernels, graphs), and each row's three cases run on one engine, back
 
 The host case's prompt had every full page evicted into the host tier (`evict` of the whole pool), so its prefill
 computes only its last partial page; the device case is the same prompt run again with its pages still cached.
+Then, against the physical limits: the time a second host pool of --host-gib takes to allocate (pinned on CUDA),
+and on CUDA the host link's own bandwidth (1 GiB copies each way between pinned and device memory).
 """
 
 import argparse
@@ -23,6 +25,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
+from pdserve.engine.host_kv_pool import HostKVPool
 from pdserve.wire.sampling import SamplingParams
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "pdserve" / "model" / "configs" / "deepseek-v2-lite.json"
@@ -89,6 +92,26 @@ def main() -> None:
         gbps = f"{pages * page_bytes / (h_ms - d_ms) / 1e6:.1f}" if h_ms > d_ms else "-"
         print(f"| {length:,} | {c_ms:.1f} | {d_ms:.1f} | {h_ms:.1f} | {c_ms / h_ms:.1f}x | {pages:.0f} "
               f"| {h_ms - d_ms:.2f} | {gbps} |")
+    print()
+    started = time.perf_counter()
+    HostKVPool(engine.runner.kv_cache, args.host_gib)
+    print(f"a host pool of {args.host_gib:g} GiB: allocated in {time.perf_counter() - started:.2f} s")
+    if engine.device.type == "cuda":
+        print(f"host link, 1 GiB copies: device -> host {link_gbps('to host'):.1f} GB/s, host -> device "
+              f"{link_gbps('to device'):.1f} GB/s")
+
+
+def link_gbps(direction: str, repeats: int = 8) -> float:
+    pinned = torch.empty(2**30, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    source, target = (device, pinned) if direction == "to host" else (pinned, device)
+    target.copy_(source)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        target.copy_(source, non_blocking=True)
+    torch.cuda.synchronize()
+    return repeats * 2**30 / (time.perf_counter() - started) / 1e9
 
 
 if __name__ == "__main__":

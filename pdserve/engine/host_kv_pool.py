@@ -7,6 +7,7 @@ and before those launched after, which is all the tier's bookkeeping relies on.
 
 import logging
 import time
+from pathlib import Path
 
 import torch
 
@@ -25,6 +26,12 @@ class HostKVPool:
         self.num_slots = int(budget_gib * 2**30 // page_bytes)
         if self.num_slots < 1:
             raise ValueError(f"a host KV tier of {budget_gib} GiB holds no page of {page_bytes} bytes")
+        available = available_host_bytes()
+        if available is not None and self.num_slots * page_bytes > available:
+            # Pinned, it would fail in the CUDA driver with an unclear error; mapped on the CPU, the kernel would kill
+            # the worker once the tier filled, long after its start.
+            raise ValueError(f"a host KV tier of {budget_gib} GiB per rank is more than this process may still take "
+                             f"({available / 2**30:.1f} GiB available); lower --host-kv-cache-gib")
         started_s = time.perf_counter()
         if device_kv.device.type == "cuda":
             self.host_pages = torch.empty((self.num_slots, num_layers, page_size, kv_dim), dtype=device_kv.dtype,
@@ -53,3 +60,22 @@ def _copy_runs(source: torch.Tensor, source_ids: list[int], target: torch.Tensor
         target[target_ids[start] : target_ids[start] + count].copy_(
             source[source_ids[start] : source_ids[start] + count], non_blocking=True)
         start = end
+
+
+def available_host_bytes(meminfo: Path = Path("/proc/meminfo"),
+                         cgroup: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Memory this process may still take: the machine's MemAvailable, or its cgroup's (v2) room under its limit where
+    that is smaller (a pod's limit); None where neither can be read."""
+    found = []
+    try:
+        kib = next(line.split()[1] for line in meminfo.read_text().splitlines() if line.startswith("MemAvailable:"))
+        found.append(int(kib) * 1024)
+    except (OSError, StopIteration, ValueError):
+        pass
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int((cgroup / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None

@@ -9,7 +9,7 @@ import torch
 from pdserve.cache.host_tier import EvictedPage, HostTier
 from pdserve.cache.page_allocator import PageAllocator
 from pdserve.cache.radix_cache import RadixCache
-from pdserve.engine.host_kv_pool import HostKVPool
+from pdserve.engine.host_kv_pool import HostKVPool, available_host_bytes
 from pdserve.ops.attention import new_kv_pool
 from pdserve.wire.block_hash import prefix_page_hashes
 from pdserve.wire.kv_events import KVEvent
@@ -114,6 +114,21 @@ def test_no_load_when_the_device_cannot_make_room():
     assert rank.cache.match_prefix(list(range(8)) + [1]).num_tokens == 0
     assert rank.tier.loaded_pages == 0
     rank.allocator.decref(held.page_ids)
+
+
+def test_a_tier_larger_than_the_memory_left_is_refused_before_it_is_allocated(tmp_path):
+    kv = new_kv_pool(LAYERS, 4, PAGE_SIZE, KV_DIM, torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"host KV tier of 1000000 GiB per rank is more than this process may still "
+                                         r"take \([0-9.]+ GiB available\); lower --host-kv-cache-gib"):
+        HostKVPool(kv, 1_000_000)
+    # A pod's limit counts where it leaves less than the machine: 10 GiB, 9.5 of it used.
+    (tmp_path / "memory.max").write_text(str(10 * 2**30))
+    (tmp_path / "memory.current").write_text(str(19 * 2**29))
+    (tmp_path / "meminfo").write_text("MemTotal: 99999999 kB\nMemAvailable:   33554432 kB\n")
+    assert available_host_bytes(tmp_path / "meminfo", tmp_path) == 2**29
+    (tmp_path / "memory.max").write_text("max\n")
+    assert available_host_bytes(tmp_path / "meminfo", tmp_path) == 32 * 2**30
+    assert available_host_bytes(tmp_path / "none", tmp_path / "none") is None
 
 
 def test_a_hash_with_other_tokens_is_not_a_hit():
