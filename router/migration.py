@@ -38,7 +38,8 @@ class Continuation:
         if not done:  # a first attempt, or a retry before any token: as asked (no copy, no re-validation)
             return self.sampling
         return replace(self.sampling, max_tokens=self.sampling.max_tokens - done,
-                       min_tokens=max(0, self.sampling.min_tokens - done), continued_tokens=done)
+                       min_tokens=max(0, self.sampling.min_tokens - done), continued_tokens=done,
+                       prompt_logprobs=None)  # the first worker's first event brought them
 
     def migrate(self) -> None:
         """The next worker continues the stream: from now on the router makes the text."""

@@ -175,9 +175,6 @@ def check_unsupported(request: SamplingFields) -> None:
         raise bad_request("`suffix` (fill in the middle) is not supported", param="suffix", code="unsupported_parameter")
     if request.best_of is not None and request.best_of != (request.n or 1):
         raise bad_request("`best_of` other than n is not supported", param="best_of", code="unsupported_parameter")
-    if request.echo and request.logprobs is not None:
-        raise bad_request("`echo` with `logprobs` would need prompt log-probabilities, which are not computed",
-                          param="echo", code="unsupported_parameter")
 
 
 _PATH = re.compile(r" - at `\$\.?([^`]*)`")
@@ -306,6 +303,14 @@ def top_logprobs_of(request: SamplingFields) -> int:
     return request.logprobs or 0
 
 
+def prompt_logprobs_of(request: SamplingFields) -> int | None:
+    """Completions with `echo` and `logprobs`: the prompt's tokens get log-probabilities too (and as many
+    alternatives as the output's)."""
+    if isinstance(request, CompletionRequest) and request.echo and request.logprobs is not None:
+        return request.logprobs
+    return None
+
+
 def sampling_params_of(request: SamplingFields, max_tokens: int, choice_index: int, defaults: GenerationDefaults,
                        logit_bias: dict[int, float], grammar: Grammar | None) -> SamplingParams:
     """Worker sampling settings for one choice; a seeded request with n > 1 gets a distinct seed per choice.
@@ -333,6 +338,7 @@ def sampling_params_of(request: SamplingFields, max_tokens: int, choice_index: i
             min_tokens=request.min_tokens or 0,
             logprobs=wants_logprobs,
             top_logprobs=top_logprobs_of(request),
+            prompt_logprobs=prompt_logprobs_of(request),
             presence_penalty=request.presence_penalty or 0.0,
             frequency_penalty=request.frequency_penalty or 0.0,
             repetition_penalty=defaults.repetition_penalty if request.repetition_penalty is None else request.repetition_penalty,

@@ -41,6 +41,10 @@ class ChoiceOutput:
     logprobs: list[float] = field(default_factory=list)
     top_token_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
+    # echo with logprobs: the prompt's, as the first event brought them (the first token's None)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_token_ids: list[list[int]] = field(default_factory=list)
+    prompt_top_logprobs: list[list[float]] = field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = 0
     error: str | None = None
@@ -62,8 +66,10 @@ def usage(choices: list[ChoiceOutput], prompt_counted_once_per: int) -> dict[str
     }
 
 
-def completion_logprobs(tokenizer: PromptTokenizer, token_ids: list[int], logprobs: list[float], offset: int,
+def completion_logprobs(tokenizer: PromptTokenizer, token_ids: list[int], logprobs: list[float | None], offset: int,
                         top_ids: list[list[int]] | None = None, top_values: list[list[float]] | None = None) -> dict[str, Any]:
+    """OpenAI's completions logprobs; a position with no log-probability (an echoed prompt's first token) has null
+    in `token_logprobs` and `top_logprobs`."""
     tokens = [tokenizer.decode([t]) for t in token_ids]
     offsets, position = [], offset
     for token in tokens:
@@ -71,7 +77,8 @@ def completion_logprobs(tokenizer: PromptTokenizer, token_ids: list[int], logpro
         position += len(token)
     top = None
     if top_ids:
-        top = [{tokenizer.decode([t]): v for t, v in zip(ids, values)} for ids, values in zip(top_ids, top_values or [])]
+        top = [None if logprob is None else {tokenizer.decode([t]): v for t, v in zip(ids, values)}
+               for ids, values, logprob in zip(top_ids, top_values or [], logprobs)]
     return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": top, "text_offset": offsets}
 
 
@@ -133,10 +140,20 @@ class ResponseBuilder:
         echo = self.options.echo_texts
         return echo[choice.index // self.options.n] if echo else ""
 
+    def _with_prompt_logprobs(self, choice: ChoiceOutput, token_ids: list[int], logprobs: list[float],
+                              top_ids: list[list[int]] | None, top_values: list[list[float]] | None):
+        """An echoed completion's log-probabilities: the prompt's tokens before the output's (once, in the whole
+        response or the first chunk)."""
+        if choice.prompt_logprobs is None:
+            return token_ids, logprobs, top_ids, top_values
+        return (choice.prompt_token_ids + token_ids, choice.prompt_logprobs + logprobs,
+                choice.prompt_top_token_ids + (top_ids or []), choice.prompt_top_logprobs + (top_values or []))
+
     def whole(self, choices: list[ChoiceOutput], usage_body: dict[str, Any]) -> dict[str, Any]:
         rendered = []
         for choice in choices:
-            logprobs = self._logprobs(choice.token_ids, choice.logprobs, choice.top_token_ids, choice.top_logprobs)
+            logprobs = self._logprobs(*self._with_prompt_logprobs(
+                choice, choice.token_ids, choice.logprobs, choice.top_token_ids, choice.top_logprobs))
             if self.kind == "chat":
                 text, reasoning = choice.text, None
                 if self.options.reasoning is not None:
@@ -186,8 +203,12 @@ class ResponseBuilder:
 
     def chunk(self, choice: ChoiceOutput, event: TokenEvent, first: bool, text_offset: int) -> bytes | None:
         """The SSE chunk for one worker event of `choice` (None when it holds nothing to send yet)."""
-        logprobs = self._logprobs(event.token_ids, event.logprobs or [], event.top_token_ids, event.top_logprobs,
-                                  text_offset)
+        parts = (event.token_ids, event.logprobs or [], event.top_token_ids, event.top_logprobs)
+        if first and choice.prompt_logprobs is not None:  # offsets from the echoed prompt's start
+            parts = self._with_prompt_logprobs(choice, *parts)
+        elif self.kind == "completion":
+            text_offset += len(self._echo(choice))  # past the echoed prompt
+        logprobs = self._logprobs(*parts, text_offset)
         finish_reason = event.finish_reason
         if self.kind == "chat":
             delta: dict[str, Any] = {}

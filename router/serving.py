@@ -375,6 +375,10 @@ class Serving:
             output.top_token_ids.extend(event.top_token_ids)
             output.top_logprobs.extend(event.top_logprobs)
         output.cached_tokens = max(output.cached_tokens, event.cached_tokens)
+        if event.prompt_logprobs is not None:
+            output.prompt_logprobs = event.prompt_logprobs
+            output.prompt_top_token_ids = event.prompt_top_token_ids or []
+            output.prompt_top_logprobs = event.prompt_top_logprobs or []
         if event.finish_reason is not None:
             output.finish_reason = event.finish_reason
             output.error = event.error

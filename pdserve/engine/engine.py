@@ -28,7 +28,7 @@ from pdserve.engine.in_flight import InFlightStep
 from pdserve.engine.logits_processing import LogitsProcessing
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.piecewise_graphs import piecewise_graph_config
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.request import PromptTokenLogprobs, Request, RequestStatus
 from pdserve.engine.sampler import SampleResult, sample, sample_on_device, skip_draws
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from pdserve.engine.simulated import SimulatedRunner
@@ -83,6 +83,8 @@ class RequestOutput:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # sampling.prompt_logprobs, on a request's first output: per prompt token (the first None)
+    prompt_logprobs: list[PromptTokenLogprobs | None] | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -494,6 +496,7 @@ class Engine:
                 text += detokenizer.flush()
             self.scheduler.finish(request, finish_reason)
             self._forget(request)
+        first_of_prompt = len(request.output_token_ids) == 1
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=[token_id],
@@ -504,6 +507,9 @@ class Engine:
             finish_reason=finish_reason,
             prompt_tokens=len(request.prompt_token_ids),
             cached_tokens=request.num_cached_tokens,
+            # a decode rank that received the KV computed none: the prefill rank's first event carries them
+            prompt_logprobs=(request.prompt_logprobs if first_of_prompt and request.prompt_logprobs
+                             and not request.needs_prompt_logprobs else None),
         )
 
     def token_ends(self, sampling: SamplingParams, token_id: int, prompt_tokens: int,

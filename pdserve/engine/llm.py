@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine, InvalidRequestError
+from pdserve.engine.request import PromptTokenLogprobs
 from pdserve.wire.sampling import SamplingParams
 
 
@@ -21,6 +22,8 @@ class GenerationResult:
     finish_reason: str | None = None
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None  # per token: the most likely token ids -> log-probability
+    # sampling.prompt_logprobs: per prompt token (the first None), its log-probability and the most likely token ids
+    prompt_logprobs: list[PromptTokenLogprobs | None] | None = None
     cached_tokens: int = 0
 
 
@@ -61,6 +64,8 @@ class LLM:
                     result.token_ids.extend(out.new_token_ids)
                     result.text += out.text
                     result.cached_tokens = out.cached_tokens
+                    if out.prompt_logprobs is not None:
+                        result.prompt_logprobs = out.prompt_logprobs
                     if result.logprobs is not None and out.new_logprobs:
                         result.logprobs.extend(out.new_logprobs)
                     if result.top_logprobs is not None and out.new_top_token_ids and out.new_top_logprobs:

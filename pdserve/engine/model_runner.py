@@ -8,6 +8,7 @@ from pdserve.engine.cuda_graphs import DecodeGraphConfig, DecodeGraphs
 from pdserve.engine.device_values import on_device
 from pdserve.engine.in_flight import InFlightStep
 from pdserve.engine.piecewise_graphs import PiecewiseGraphConfig, PiecewiseGraphs
+from pdserve.engine.prompt_logprobs import PromptRows, compute_prompt_logprobs
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledSeq
 from pdserve.model.compiled_layers import CompiledLayers
@@ -80,9 +81,12 @@ class ModelRunner:
         page_tables: list[list[int]] = []
         carried_positions: list[int] = []
         carried_requests: list[Request] = []
+        prompt_rows = PromptRows([], [], [])
         for seq in scheduled:
             request, start = seq.request, seq.request.num_computed_tokens
             end = start + seq.num_new_tokens
+            if request.needs_prompt_logprobs:
+                prompt_rows.add(request, len(input_ids), start, end)
             known = request.known_token_ids(start, end)
             input_ids.extend(known)
             if len(known) < seq.num_new_tokens:  # the token `previous` sampled last (at most one), still unresolved
@@ -130,6 +134,8 @@ class ModelRunner:
         finally:
             if self.fixed_exchange is not None:
                 self.fixed_exchange.fixed_tokens = None
+        if prompt_rows.rows:  # never a graph step: these are prefill chunks
+            compute_prompt_logprobs(self.model, hidden, prompt_rows)
         rows = on_device(sample_rows, self.device)
         return self.model.compute_logits(hidden[rows])
 

@@ -16,6 +16,15 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True)
+class PromptTokenLogprobs:
+    """A prompt token's log-probability given the tokens before it, and the most likely tokens there, best first."""
+
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
 @dataclass
 class Request:
     request_id: str
@@ -37,6 +46,12 @@ class Request:
     # as tokens (the next step computes their KV) but are not in output_token_ids until they are resolved.
     num_unresolved_tokens: int = 0
     ends_when_resolved: bool = False  # an unresolved token reaches a length limit: not scheduled again
+    # sampling.prompt_logprobs: per prompt position (the first stays None), filled by the steps that compute them
+    prompt_logprobs: list["PromptTokenLogprobs | None"] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.sampling.prompt_logprobs is not None and not self.prompt_logprobs:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -53,6 +68,12 @@ class Request:
         if start >= split:
             return output[start - split:end - split]
         return prompt[start:] + output[:end - split]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether some prompt token's log-probability is still to be computed. Chunks run in order, so the last
+        token's is the last to come; a preempted request computes its prompt again and rewrites the same values."""
+        return len(self.prompt_logprobs) > 1 and self.prompt_logprobs[-1] is None
 
     @property
     def num_output_tokens(self) -> int:

@@ -147,7 +147,7 @@ class Scheduler:
         self._release_pages(request)
 
     def _match_prefix(self, request: Request) -> None:
-        if request.page_ids:
+        if request.page_ids or request.needs_prompt_logprobs:  # a cached prefix has no logits to give
             return
         match = self.prefix_cache.match_prefix(request.all_token_ids[:-1])  # at least one token is computed
         request.page_ids = list(match.page_ids)

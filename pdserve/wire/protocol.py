@@ -112,6 +112,11 @@ class TokenEvent:
     # An error of the hand-off's prefill side (unreachable, failed, too slow): the decode rank that sends it is fine
     # and may take the request again with another prefill rank.
     prefill_failed: bool = False
+    # sampling.prompt_logprobs, on the first token's event: per prompt token (the first None), and the most likely
+    # tokens at each position, best first (the first position's empty)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_token_ids: list[list[int]] | None = None
+    prompt_top_logprobs: list[list[float]] | None = None
 
 
 def _joined(parts: list[list | None]) -> list | None:
@@ -133,6 +138,11 @@ def coalesce_events(events: list[TokenEvent]) -> list[TokenEvent]:
         _joined([e.logprobs for e in run]), _joined([e.top_token_ids for e in run]),
         _joined([e.top_logprobs for e in run]), last.finish_reason, last.error,
         max(e.prompt_tokens for e in run), max(e.cached_tokens for e in run))
+    with_prompt = next((e for e in run if e.prompt_logprobs is not None), None)  # the first token's event
+    if with_prompt is not None:
+        merged.prompt_logprobs = with_prompt.prompt_logprobs
+        merged.prompt_top_token_ids = with_prompt.prompt_top_token_ids
+        merged.prompt_top_logprobs = with_prompt.prompt_top_logprobs
     return [merged, *tail]
 
 

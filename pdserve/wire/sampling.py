@@ -30,6 +30,9 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: bool = False  # return the log-probability of each chosen token
     top_logprobs: int = 0  # and of this many most likely tokens at each position (0..20)
+    # The log-probability of each prompt token after the first, and of this many most likely tokens at each position
+    # (0..20); None: not computed. Such a prompt is computed whole (a prefix-cache match has no logits).
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0  # subtracted once from every token already in the output (OpenAI)
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output (OpenAI)
     repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt and output tokens
@@ -54,6 +57,8 @@ class SamplingParams:
             (self.continued_tokens >= 0, "continued_tokens must be >= 0"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
+             f"prompt_logprobs must be None or in [0, {MAX_TOP_LOGPROBS}]"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
             (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty must be in (0, 2]"),

@@ -160,6 +160,9 @@ class _EnginePort:
         output = await self._runtime.steps.call(lambda: self._engine.start_decoding(request_id, sampled))
         event = self._runtime._event(output)
         event.cached_tokens = first.cached_tokens
+        # computed by the prefill rank, which had the whole prompt
+        event.prompt_logprobs, event.prompt_top_token_ids, event.prompt_top_logprobs = (
+            first.prompt_logprobs, first.prompt_top_token_ids, first.prompt_top_logprobs)
         return event
 
     async def add_prefill_only(self, request: GenerateRequest) -> None:
@@ -477,12 +480,17 @@ class RankRuntime:
 
     # --- events ---------------------------------------------------------------------------------------------
     def _event(self, output: RequestOutput) -> TokenEvent:
-        return TokenEvent(
+        event = TokenEvent(
             request_id=output.request_id, token_ids=output.new_token_ids, text=output.text,
             logprobs=output.new_logprobs, top_token_ids=output.new_top_token_ids, top_logprobs=output.new_top_logprobs,
             finish_reason=output.finish_reason,  # type: ignore[arg-type]
             prompt_tokens=output.prompt_tokens, cached_tokens=output.cached_tokens,
         )
+        if output.prompt_logprobs is not None:
+            event.prompt_logprobs = [p.logprob if p else None for p in output.prompt_logprobs]
+            event.prompt_top_token_ids = [p.top_token_ids if p else [] for p in output.prompt_logprobs]
+            event.prompt_top_logprobs = [p.top_logprobs if p else [] for p in output.prompt_logprobs]
+        return event
 
     @staticmethod
     def _error(request_id: str, message: str, prefill_failed: bool = False) -> TokenEvent:

@@ -220,3 +220,37 @@ def test_a_requests_known_tokens_in_any_range_are_the_slice_of_all_its_tokens():
     for start in range(9):
         for end in range(start, 10):
             assert request.known_token_ids(start, end) == request.all_token_ids[start:end], (start, end)
+
+
+def first_outputs(llm: LLM, prompts: list[list[int]], sampling: SamplingParams) -> dict[str, list]:
+    engine = llm.engine
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"p{index}", prompt, sampling)
+    outputs: dict[str, list] = {}
+    while engine.has_work():
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).append(output)
+    return outputs
+
+
+def test_prompt_logprobs_are_the_same_chunked_preempted_or_after_a_cache_hit(tiny_v3, reference):
+    prompts, _ = reference
+    sampling = replace(GREEDY, max_tokens=6, prompt_logprobs=3)
+    whole = first_outputs(LLM(tiny_v3, progress=False, enable_prefix_cache=False), prompts, sampling)
+    for options in (dict(max_num_batched_tokens=13), dict(num_pages=16, page_size=16)):  # chunks; preemption
+        llm = LLM(tiny_v3, progress=False, **options)
+        llm.generate(prompt_token_ids=prompts, sampling=GREEDY)  # the prompts' pages now in the prefix cache
+        outputs = first_outputs(llm, prompts, sampling)
+        for request_id, prompt in zip(sorted(whole), prompts):
+            first, *rest = outputs[request_id]
+            expected = whole[request_id][0].prompt_logprobs
+            assert len(first.prompt_logprobs) == len(prompt) and first.prompt_logprobs[0] is None
+            assert [p.logprob for p in first.prompt_logprobs[1:]] == pytest.approx(
+                [p.logprob for p in expected[1:]], abs=1e-4)
+            assert [p.top_token_ids for p in first.prompt_logprobs[1:]] == [p.top_token_ids for p in expected[1:]]
+            assert all(len(p.top_token_ids) == 3 for p in first.prompt_logprobs[1:])
+            assert all(output.prompt_logprobs is None for output in rest)
+            assert first.cached_tokens == 0
+    offline = LLM(tiny_v3, progress=False).generate(prompt_token_ids=prompts[:1], sampling=sampling)[0]
+    assert [p.logprob for p in offline.prompt_logprobs[1:]] == pytest.approx(
+        [p.logprob for p in whole["p0"][0].prompt_logprobs[1:]], abs=1e-4)  # LLM.generate's results carry them

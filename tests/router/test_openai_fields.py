@@ -35,7 +35,6 @@ def post(router, path, body) -> httpx.Response:
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("/v1/completions", {**COMPLETION, "suffix": "end"}, "suffix"),
     ("/v1/completions", {**COMPLETION, "best_of": 3}, "best_of"),
-    ("/v1/completions", {**COMPLETION, "echo": True, "logprobs": 2}, "echo"),
     ("/v1/completions", {**COMPLETION, "logprobs": 21}, "logprobs"),
     ("/v1/completions", {**COMPLETION, "presence_penalty": 3}, "presence_penalty"),
     ("/v1/completions", {**COMPLETION, "frequency_penalty": -2.5}, "frequency_penalty"),
