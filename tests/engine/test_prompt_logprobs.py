@@ -12,7 +12,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def check_continuation_scored_as_generated(model: str, tolerance: float, **options) -> None:
-    """`tolerance`: absolute and relative, between the two paths' log-probabilities."""
+    """`tolerance`: the most the two paths' log-probabilities may differ by."""
     llm = LLM(model, progress=False, **options)
     gen = torch.Generator().manual_seed(4)
     prompt = torch.randint(2, 400, (90,), generator=gen).tolist()
@@ -22,9 +22,9 @@ def check_continuation_scored_as_generated(model: str, tolerance: float, **optio
         max_tokens=1, temperature=0.0, ignore_eos=True, prompt_logprobs=1))[0]
     assert len(scored.prompt_logprobs) == len(prompt) + 12 and scored.prompt_logprobs[0] is None
     continuation = scored.prompt_logprobs[len(prompt):]
-    assert [p.logprob for p in continuation] == pytest.approx(made.logprobs, abs=tolerance, rel=tolerance)
+    assert [p.logprob for p in continuation] == pytest.approx(made.logprobs, abs=tolerance)
     # greedy tokens were each the most likely one (or within the tolerance of it, where the paths round apart)
-    assert all(p.top_token_ids[0] == token or p.top_logprobs[0] - p.logprob <= tolerance * (1 + abs(p.logprob))
+    assert all(p.top_token_ids[0] == token or p.top_logprobs[0] - p.logprob <= 2 * tolerance
                for p, token in zip(continuation, made.token_ids))
 
 
@@ -35,5 +35,7 @@ def test_a_continuation_is_scored_as_it_was_generated(tiny_v2):
 @pytest.mark.gpu
 @needs_cuda
 def test_a_continuation_is_scored_as_it_was_generated_on_cuda(tiny_model_factory):
-    check_continuation_scored_as_generated(tiny_model_factory("v2", **FLASHINFER_SHAPE), 2e-2, device="cuda",
+    # bf16 logits (the head's matmul rounds them) differ between the prefill and decode kernels by up to ~0.1 (0.082
+    # measured on an H200); a wrong position would be off by whole units
+    check_continuation_scored_as_generated(tiny_model_factory("v2", **FLASHINFER_SHAPE), 0.15, device="cuda",
                                            dtype="bfloat16", cuda_graphs=True, max_num_seqs=8)
