@@ -141,7 +141,8 @@ class ResponseBuilder:
         return echo[choice.index // self.options.n] if echo else ""
 
     def _with_prompt_logprobs(self, choice: ChoiceOutput, token_ids: list[int], logprobs: list[float],
-                              top_ids: list[list[int]] | None, top_values: list[list[float]] | None):
+                              top_ids: list[list[int]] | None, top_values: list[list[float]] | None) -> tuple[
+            list[int], list[float | None], list[list[int]] | None, list[list[float]] | None]:
         """An echoed completion's log-probabilities: the prompt's tokens before the output's (once, in the whole
         response or the first chunk)."""
         if choice.prompt_logprobs is None:
