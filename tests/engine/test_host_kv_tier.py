@@ -54,3 +54,26 @@ def test_a_host_hit_makes_the_device_hits_tokens_and_logprobs_on_cuda(tiny_model
     model = tiny_model_factory("v2", **FLASHINFER_SHAPE)
     check_host_hit_equals_device_hit(model, device="cuda", dtype="bfloat16", cuda_graphs=True,
                                      overlap_scheduling="on", max_num_seqs=8)
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_shared_prefixes_through_a_small_pool_and_the_host_tier_give_the_reference_tokens(tiny_v2, overlap):
+    """Prompts sharing system prompts, three at a time through a pool that holds about one of them: pages go to the
+    host tier and come back mid-run (with overlapped steps in flight too), and every request makes the tokens it
+    makes alone with no cache at all."""
+    gen = torch.Generator().manual_seed(6)
+    systems = [torch.randint(2, 400, (n,), generator=gen).tolist() for n in (48, 80, 33)]
+    prompts = [systems[i % 3] + torch.randint(2, 400, (5 + 7 * i,), generator=gen).tolist() for i in range(12)]
+    alone = Engine(EngineConfig(model=tiny_v2, dtype="float32", enable_prefix_cache=False, progress=False))
+    expected = {f"r{i}": run(alone, {f"r{i}": p})[f"r{i}"][0] for i, p in enumerate(prompts)}
+    engine = Engine(EngineConfig(model=tiny_v2, dtype="float32", page_size=PAGE_SIZE, num_pages=12, progress=False,
+                                 host_kv_cache_gib=0.05, overlap_scheduling=overlap))
+    made: dict[str, list[int]] = {}
+    for wave in range(0, 12, 3):  # four waves of three at once (preempting), each after the last one's are cached
+        made.update({rid: tokens for rid, (tokens, _) in run(engine, {
+            f"r{i}": prompts[i] for i in range(wave, wave + 3)}).items()})
+    assert made == expected
+    host = engine.prefix_cache.host_tier
+    assert host.loaded_pages > 0 and host.offloaded_pages > 0
+    engine.prefix_cache.check_integrity()
+    assert engine.allocator.num_free + engine.prefix_cache.num_cached_pages == engine.allocator.num_pages
