@@ -10,7 +10,7 @@ from msgspec import Meta
 
 from pdserve.text.generation_defaults import GenerationDefaults
 from pdserve.text.grammars import JSON_OBJECT_SCHEMA, json_schema_source
-from pdserve.wire.sampling import Grammar, SamplingParams
+from pdserve.wire.sampling import MAX_TOP_LOGPROBS, Grammar, SamplingParams
 from pdserve_router.errors import APIError, bad_request
 
 PositiveInt = Annotated[int, Meta(ge=1, le=2**31 - 1)]
@@ -309,6 +309,19 @@ def prompt_logprobs_of(request: SamplingFields) -> int | None:
     if isinstance(request, CompletionRequest) and request.echo and request.logprobs is not None:
         return request.logprobs
     return None
+
+
+def check_prompt_logprobs_size(request: SamplingFields, prompt_tokens: int, max_tokens_limit: int) -> None:
+    """An echoed prompt's log-probabilities are built into the response on the router's event loop, as an output's
+    are: no more entries (tokens x (1 + alternatives)) than the longest output may carry, else a 400."""
+    alternatives = prompt_logprobs_of(request)
+    if alternatives is None:
+        return
+    entries, most = prompt_tokens * (1 + alternatives), max_tokens_limit * (1 + MAX_TOP_LOGPROBS)
+    if entries > most:
+        raise bad_request(f"`echo` with `logprobs: {alternatives}` on a prompt of {prompt_tokens} tokens asks for "
+                          f"{entries} log-probabilities; at most {most} (fewer alternatives or a shorter prompt)",
+                          param="logprobs")
 
 
 def sampling_params_of(request: SamplingFields, max_tokens: int, choice_index: int, defaults: GenerationDefaults,

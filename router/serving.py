@@ -136,6 +136,7 @@ class Serving:
                 raise schema.bad_request("the prompt is empty after tokenization", param="prompt")
             max_tokens = schema.resolve_max_tokens(request, len(prompt_token_ids), max_model_len, self._max_tokens_limit,
                                                    self._defaults.max_tokens)
+            schema.check_prompt_logprobs_size(request, len(prompt_token_ids), self._max_tokens_limit)
             for j in range(n):
                 sampling = schema.sampling_params_of(request, max_tokens, j, self._defaults, logit_bias, grammar)
                 plans.append(ChoicePlan(prompt_index * n + j, prompt_token_ids, sampling))

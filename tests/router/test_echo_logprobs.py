@@ -14,12 +14,14 @@ from pdserve.cluster.inprocess import InProcessCluster
 from pdserve.cluster.layout import ClusterConfig
 
 TIMEOUT_S = 60.0
+MAX_TOKENS_LIMIT = 64  # so at most 64 x 21 prompt log-probability entries a prompt
 DEPLOYMENTS = {"pd": dict(num_prefill=1, num_decode=1), "colocated": dict(num_prefill=0, num_decode=0, num_both=1)}
 
 
 @pytest.fixture(scope="module", params=sorted(DEPLOYMENTS))
 def cluster(request, tiny_v2):
-    cfg = ClusterConfig(model=tiny_v2, port=0, worker_args=("--dtype", "float32"), **DEPLOYMENTS[request.param])
+    cfg = ClusterConfig(model=tiny_v2, port=0, worker_args=("--dtype", "float32"),
+                        router_args=("--max-tokens-limit", str(MAX_TOKENS_LIMIT)), **DEPLOYMENTS[request.param])
     with InProcessCluster(cfg) as running:
         yield running
 
@@ -106,3 +108,13 @@ def test_the_lm_eval_loglikelihood_request_scores_a_continuation(cluster, prompt
     assert len(scored) == len(continuation) and all(isinstance(x, float) and x <= 0 for x in scored)
     tops = logprobs["top_logprobs"][len(context):-1]
     assert all(len(top) == 1 and max(top.values()) >= x - 1e-6 for top, x in zip(tops, scored))
+
+
+def test_more_prompt_log_probabilities_than_an_output_may_carry_is_a_400(cluster):
+    complete(cluster, list(range(2, 66)), logprobs=20)  # 64 x (1 + 20): the most
+    model = HTTP.get(cluster.url + "/v1/models", timeout=TIMEOUT_S).json()["data"][0]["id"]
+    response = HTTP.post(cluster.url + "/v1/completions", timeout=TIMEOUT_S, json={
+        "model": model, "prompt": list(range(2, 67)), "max_tokens": 1, "echo": True, "logprobs": 20})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "logprobs" and "65 tokens asks for 1365 log-probabilities; at most 1344" in error["message"]
