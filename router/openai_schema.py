@@ -54,6 +54,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     user: str | None = None  # an end-user id for abuse tracking: accepted, no effect here
     repetition_penalty: RepetitionPenalty | None = None  # extension, as vLLM's
     return_token_ids: bool | None = None  # extension: prompt_token_ids and token_ids on each choice
+    # extension, as vLLM's: each prompt token's log-probability, rank and this many alternatives (not when streaming)
+    prompt_logprobs: TopLogprobs | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -159,6 +161,9 @@ UNSUPPORTED_CHAT_FIELDS = {
 
 def check_unsupported(request: SamplingFields) -> None:
     """400 naming the first OpenAI field the request sets that this server does not implement."""
+    if request.prompt_logprobs is not None and request.stream:
+        raise bad_request("`prompt_logprobs` is not returned when streaming (as vLLM's)", param="prompt_logprobs",
+                          code="unsupported_parameter")
     if isinstance(request, ChatCompletionRequest):
         for name, why in UNSUPPORTED_CHAT_FIELDS.items():
             if getattr(request, name) is not None:
@@ -303,12 +308,19 @@ def top_logprobs_of(request: SamplingFields) -> int:
     return request.logprobs or 0
 
 
-def prompt_logprobs_of(request: SamplingFields) -> int | None:
+def echo_logprobs_of(request: SamplingFields) -> int | None:
     """Completions with `echo` and `logprobs`: the prompt's tokens get log-probabilities too (and as many
     alternatives as the output's)."""
     if isinstance(request, CompletionRequest) and request.echo and request.logprobs is not None:
         return request.logprobs
     return None
+
+
+def prompt_logprobs_of(request: SamplingFields) -> int | None:
+    """The alternatives the workers compute at each prompt position, for an echo with logprobs or vLLM's
+    `prompt_logprobs`, whichever asks for more; None: neither asks."""
+    asked = [n for n in (echo_logprobs_of(request), request.prompt_logprobs) if n is not None]
+    return max(asked) if asked else None
 
 
 def check_prompt_logprobs_size(request: SamplingFields, prompt_tokens: int, max_tokens_limit: int) -> None:
@@ -319,9 +331,9 @@ def check_prompt_logprobs_size(request: SamplingFields, prompt_tokens: int, max_
         return
     entries, most = prompt_tokens * (1 + alternatives), max_tokens_limit * (1 + MAX_TOP_LOGPROBS)
     if entries > most:
-        raise bad_request(f"`echo` with `logprobs: {alternatives}` on a prompt of {prompt_tokens} tokens asks for "
-                          f"{entries} log-probabilities; at most {most} (fewer alternatives or a shorter prompt)",
-                          param="logprobs")
+        field = "prompt_logprobs" if request.prompt_logprobs == alternatives else "logprobs"
+        raise bad_request(f"`{field}: {alternatives}` on a prompt of {prompt_tokens} tokens asks for {entries} "
+                          f"log-probabilities; at most {most} (fewer alternatives or a shorter prompt)", param=field)
 
 
 def sampling_params_of(request: SamplingFields, max_tokens: int, choice_index: int, defaults: GenerationDefaults,

@@ -28,6 +28,7 @@ class ResponseOptions:
     include_usage: bool = False  # streams: a last chunk with the usage (stream_options.include_usage)
     reasoning: ReasoningFormat | None = None  # the model's thinking tags, when its reasoning is returned apart
     reasoning_opened: bool = False  # ...and whether the prompt opened the reasoning
+    prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs`: its field, with this many alternatives
 
 
 @dataclass
@@ -43,6 +44,7 @@ class ChoiceOutput:
     top_logprobs: list[list[float]] = field(default_factory=list)
     # echo with logprobs: the prompt's, as the first event brought them (the first token's None)
     prompt_logprobs: list[float | None] | None = None
+    prompt_ranks: list[int] = field(default_factory=list)
     prompt_top_token_ids: list[list[int]] = field(default_factory=list)
     prompt_top_logprobs: list[list[float]] = field(default_factory=list)
     finish_reason: str | None = None
@@ -80,6 +82,24 @@ def completion_logprobs(tokenizer: PromptTokenizer, token_ids: list[int], logpro
         top = [None if logprob is None else {tokenizer.decode([t]): v for t, v in zip(ids, values)}
                for ids, values, logprob in zip(top_ids, top_values or [], logprobs)]
     return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": top, "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(tokenizer: PromptTokenizer, choice: ChoiceOutput, alternatives: int) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt token (the first null), its id and up to `alternatives` more, each
+    mapped to its log-probability, rank and text."""
+    if choice.prompt_logprobs is None:
+        return None
+    positions: list = [None]
+    for position in range(1, len(choice.prompt_token_ids)):
+        token_id, logprob = choice.prompt_token_ids[position], choice.prompt_logprobs[position]
+        entries = {str(token_id): {"logprob": logprob, "rank": choice.prompt_ranks[position],
+                                   "decoded_token": tokenizer.decode([token_id])}}
+        top = zip(choice.prompt_top_token_ids[position][:alternatives], choice.prompt_top_logprobs[position])
+        for rank, (top_id, top_logprob) in enumerate(top, start=1):
+            entries.setdefault(str(top_id), {"logprob": top_logprob, "rank": rank,
+                                             "decoded_token": tokenizer.decode([top_id])})
+        positions.append(entries)
+    return positions
 
 
 def chat_logprobs(tokenizer: PromptTokenizer, token_ids: list[int], logprobs: list[float],
@@ -145,10 +165,12 @@ class ResponseBuilder:
             list[int], list[float | None], list[list[int]] | None, list[list[float]] | None]:
         """An echoed completion's log-probabilities: the prompt's tokens before the output's (once, in the whole
         response or the first chunk)."""
-        if choice.prompt_logprobs is None:
+        if choice.prompt_logprobs is None or not self.options.echo_texts:
             return token_ids, logprobs, top_ids, top_values
+        n = self.options.top_logprobs  # the workers computed as many as vLLM's prompt_logprobs asked, if more
         return (choice.prompt_token_ids + token_ids, choice.prompt_logprobs + logprobs,
-                choice.prompt_top_token_ids + (top_ids or []), choice.prompt_top_logprobs + (top_values or []))
+                [ids[:n] for ids in choice.prompt_top_token_ids] + (top_ids or []),
+                [values[:n] for values in choice.prompt_top_logprobs] + (top_values or []))
 
     def whole(self, choices: list[ChoiceOutput], usage_body: dict[str, Any]) -> dict[str, Any]:
         rendered = []
@@ -180,8 +202,12 @@ class ResponseBuilder:
             if self.options.return_token_ids:
                 item["prompt_token_ids"] = choice.prompt_token_ids
                 item["token_ids"] = choice.token_ids
+            if self.options.prompt_logprobs is not None and self.kind != "chat":
+                item["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, choice, self.options.prompt_logprobs)
             rendered.append(item)
         body = self._envelope("chat.completion" if self.kind == "chat" else "text_completion", rendered)
+        if self.options.prompt_logprobs is not None and self.kind == "chat" and choices:  # vLLM: once, the prompt's
+            body["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, choices[0], self.options.prompt_logprobs)
         body["usage"] = usage_body
         return body
 

@@ -149,7 +149,8 @@ class Serving:
             wants_logprobs = request.logprobs is not None
         return ResponseOptions(logprobs=wants_logprobs, top_logprobs=schema.top_logprobs_of(request),
                                return_token_ids=bool(request.return_token_ids), n=request.n or 1,
-                               include_usage=schema.include_usage_in_stream(request), **kwargs)
+                               include_usage=schema.include_usage_in_stream(request),
+                               prompt_logprobs=request.prompt_logprobs, **kwargs)
 
     async def plan_completion(self, request: schema.CompletionRequest) -> RequestPlan:
         chars = self._check_request(request)
@@ -378,6 +379,7 @@ class Serving:
         output.cached_tokens = max(output.cached_tokens, event.cached_tokens)
         if event.prompt_logprobs is not None:
             output.prompt_logprobs = event.prompt_logprobs
+            output.prompt_ranks = event.prompt_ranks or []
             output.prompt_top_token_ids = event.prompt_top_token_ids or []
             output.prompt_top_logprobs = event.prompt_top_logprobs or []
         if event.finish_reason is not None:

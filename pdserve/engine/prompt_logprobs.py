@@ -39,9 +39,12 @@ def compute_prompt_logprobs(model: DeepseekForCausalLM, hidden: torch.Tensor, pr
         row_index = torch.tensor(prompt.rows[rows], device=hidden.device)
         targets = torch.tensor([r.prompt_token_ids[p + 1] for r, p in zip(requests, positions)], device=hidden.device)
         logprobs = torch.log_softmax(model.compute_logits(hidden[row_index]), dim=-1)
-        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        chosen_values = logprobs.gather(1, targets[:, None])
+        ranks = ((logprobs > chosen_values).sum(dim=-1) + 1).tolist()
+        chosen = chosen_values[:, 0].tolist()
         top_values, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (logprobs[:, :0], logprobs[:, :0].long())
         top_values, top_ids = top_values.tolist(), top_ids.tolist()
         for i, (request, position) in enumerate(zip(requests, positions)):
             n = request.sampling.prompt_logprobs or 0
-            request.prompt_logprobs[position + 1] = PromptTokenLogprobs(chosen[i], top_ids[i][:n], top_values[i][:n])
+            request.prompt_logprobs[position + 1] = PromptTokenLogprobs(chosen[i], ranks[i], top_ids[i][:n],
+                                                                        top_values[i][:n])

@@ -21,6 +21,7 @@ class PromptTokenLogprobs:
     """A prompt token's log-probability given the tokens before it, and the most likely tokens there, best first."""
 
     logprob: float
+    rank: int  # 1 + how many tokens of the vocabulary were more likely there
     top_token_ids: list[int]
     top_logprobs: list[float]
 

@@ -115,6 +115,7 @@ class TokenEvent:
     # sampling.prompt_logprobs, on the first token's event: per prompt token (the first None), and the most likely
     # tokens at each position, best first (the first position's empty)
     prompt_logprobs: list[float | None] | None = None
+    prompt_ranks: list[int] | None = None  # each prompt token's rank in the vocabulary there (the first 0)
     prompt_top_token_ids: list[list[int]] | None = None
     prompt_top_logprobs: list[list[float]] | None = None
 
@@ -141,6 +142,7 @@ def coalesce_events(events: list[TokenEvent]) -> list[TokenEvent]:
     with_prompt = next((e for e in run if e.prompt_logprobs is not None), None)  # the first token's event
     if with_prompt is not None:
         merged.prompt_logprobs = with_prompt.prompt_logprobs
+        merged.prompt_ranks = with_prompt.prompt_ranks
         merged.prompt_top_token_ids = with_prompt.prompt_top_token_ids
         merged.prompt_top_logprobs = with_prompt.prompt_top_logprobs
     return [merged, *tail]

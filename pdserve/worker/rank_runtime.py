@@ -161,8 +161,8 @@ class _EnginePort:
         event = self._runtime._event(output)
         event.cached_tokens = first.cached_tokens
         # computed by the prefill rank, which had the whole prompt
-        event.prompt_logprobs, event.prompt_top_token_ids, event.prompt_top_logprobs = (
-            first.prompt_logprobs, first.prompt_top_token_ids, first.prompt_top_logprobs)
+        event.prompt_logprobs, event.prompt_ranks, event.prompt_top_token_ids, event.prompt_top_logprobs = (
+            first.prompt_logprobs, first.prompt_ranks, first.prompt_top_token_ids, first.prompt_top_logprobs)
         return event
 
     async def add_prefill_only(self, request: GenerateRequest) -> None:
@@ -488,6 +488,7 @@ class RankRuntime:
         )
         if output.prompt_logprobs is not None:
             event.prompt_logprobs = [p.logprob if p else None for p in output.prompt_logprobs]
+            event.prompt_ranks = [p.rank if p else 0 for p in output.prompt_logprobs]
             event.prompt_top_token_ids = [p.top_token_ids if p else [] for p in output.prompt_logprobs]
             event.prompt_top_logprobs = [p.top_logprobs if p else [] for p in output.prompt_logprobs]
         return event

@@ -118,3 +118,30 @@ def test_more_prompt_log_probabilities_than_an_output_may_carry_is_a_400(cluster
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "logprobs" and "65 tokens asks for 1365 log-probabilities; at most 1344" in error["message"]
+
+
+def test_vllms_prompt_logprobs_field_on_completions_and_chat(cluster, prompts):
+    """vLLM's extension: `prompt_logprobs: N` puts, per prompt token, its id and N alternatives with log-probability,
+    rank and text on each completion choice, and once on a chat response; the values are the echo's."""
+    echoed = complete(cluster, prompts[0])["choices"][0]["logprobs"]
+    choice = complete(cluster, prompts[0], echo=False, logprobs=None, prompt_logprobs=3)["choices"][0]
+    assert choice["logprobs"] is None and choice["prompt_logprobs"][0] is None
+    assert len(choice["prompt_logprobs"]) == len(prompts[0])
+    for position, entries in enumerate(choice["prompt_logprobs"][1:], start=1):
+        token = entries[str(prompts[0][position])]
+        assert token["logprob"] == pytest.approx(echoed["token_logprobs"][position], abs=1e-5)
+        others = [entry for key, entry in entries.items() if key != str(prompts[0][position])]
+        ranks = sorted(entry["rank"] for entry in entries.values())
+        assert token["rank"] >= 1 and len(entries) in (3, 4) and ranks[0] == 1
+        # the token is among the three most likely exactly when its rank says so, and ranks follow the values
+        assert (len(entries) == 3) == (token["rank"] <= 3)
+        assert all(other["logprob"] >= token["logprob"] - 1e-6 for other in others if other["rank"] < token["rank"])
+    model = HTTP.get(cluster.url + "/v1/models", timeout=TIMEOUT_S).json()["data"][0]["id"]
+    chat = HTTP.post(cluster.url + "/v1/chat/completions", timeout=TIMEOUT_S, json={
+        "model": model, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 2,
+        "prompt_logprobs": 1}).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
+    assert all(1 <= len(entries) <= 2 for entries in chat["prompt_logprobs"][1:])
+    refused = HTTP.post(cluster.url + "/v1/completions", timeout=TIMEOUT_S, json={
+        "model": model, "prompt": prompts[0], "max_tokens": 1, "stream": True, "prompt_logprobs": 1})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
