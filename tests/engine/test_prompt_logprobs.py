@@ -23,6 +23,8 @@ def check_continuation_scored_as_generated(model: str, tolerance: float, **optio
     assert len(scored.prompt_logprobs) == len(prompt) + 12 and scored.prompt_logprobs[0] is None
     continuation = scored.prompt_logprobs[len(prompt):]
     assert [p.logprob for p in continuation] == pytest.approx(made.logprobs, abs=tolerance)
+    # a rank and the alternatives come from one distribution: rank 1 exactly where the token is the first alternative
+    assert all((p.rank == 1) == (p.top_token_ids[0] == token) for p, token in zip(continuation, made.token_ids))
     # greedy tokens were each the most likely one (or within the tolerance of it, where the paths round apart)
     assert all(p.top_token_ids[0] == token or p.top_logprobs[0] - p.logprob <= 2 * tolerance
                for p, token in zip(continuation, made.token_ids))
