@@ -61,7 +61,7 @@ class HostTier:
         dropped: list[int] = []
         page_ids: list[int] = []
         slots: list[int] = []
-        new_pages = []
+        new_pages = []  # touched first, so that making room for the others never drops one of these
         for page in evicted:
             if page.block_hash in self._pages:  # loaded back before: the host copy holds the same KV
                 self._pages.move_to_end(page.block_hash)
@@ -79,7 +79,7 @@ class HostTier:
             # A slot dropped and refilled within this call is written twice, in list order: the later page wins.
             self._to_host(page_ids, slots)
             self.offloaded_pages += len(page_ids)
-        return [block_hash for block_hash in dropped if block_hash not in self._pages]  # not one dropped, then kept
+        return dropped
 
     def find(self, parent_hash: int, token_ids: Sequence[int], first_page: int, page_size: int) -> list[int]:
         """Hashes of the pages held here that continue a prefix from page `first_page` of `token_ids` (whose page

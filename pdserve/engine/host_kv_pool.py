@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from pdserve.ops.attention import new_kv_pool
+from pdserve.transfer.layout import page_runs
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +51,11 @@ class HostKVPool:
 
 
 def _copy_runs(source: torch.Tensor, source_ids: list[int], target: torch.Tensor, target_ids: list[int]) -> None:
-    """target[target_ids[i]] = source[source_ids[i]] in order, one copy per run consecutive on both sides."""
-    start = 0
-    for end in range(1, len(source_ids) + 1):
-        if (end < len(source_ids) and source_ids[end] == source_ids[end - 1] + 1
-                and target_ids[end] == target_ids[end - 1] + 1):
-            continue
-        count = end - start
-        target[target_ids[start] : target_ids[start] + count].copy_(
-            source[source_ids[start] : source_ids[start] + count], non_blocking=True)
-        start = end
+    """target[target_ids[i]] = source[source_ids[i]] in order, one copy per run consecutive on both sides (the runs a
+    KV transfer moves as one descriptor each)."""
+    for run in page_runs(source_ids, target_ids):
+        target[run.dst_start : run.dst_start + run.num_pages].copy_(
+            source[run.src_start : run.src_start + run.num_pages], non_blocking=True)
 
 
 def available_host_bytes(meminfo: Path = Path("/proc/meminfo"),
